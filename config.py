@@ -1,0 +1,278 @@
+"""All settings of a titan-grpo run as dataclasses, parsed as `--section.field value` (tyro).
+
+Sections mirror torchtitan where they overlap (`parallelism`, `activation_checkpoint`,
+`compile`, `optimizer`, `lr_scheduler`, `checkpoint`); defaults follow verl's GSM8K GRPO recipe.
+`validate(cfg, world_size)` rejects bad input with one line before any heavy work.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+ATTN_TYPES = ("flex", "flex_flash", "varlen", "sdpa")
+AC_MODES = ("selective", "full", "none")
+SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "Qwen/Qwen3-0.6B"  # HF model dir (config.json + safetensors + tokenizer) or hub id
+    attn_type: str = "flex"  # flex | flex_flash (Hopper+) | varlen (FA3) | sdpa (dense mask, CPU)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (FSDP mixed precision)
+    random_init: bool = False  # skip loading safetensors, keep torchtitan's random init (benchmarks)
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "../shared/data/gsm8k/train.jsonl"  # jsonl / parquet path, hub name, or "synthetic"
+    val_files: str = "../shared/data/gsm8k/test.jsonl"  # same forms as train_files
+    train_batch_size: int = 256  # prompts per step (verl recipe)
+    val_batch_size: int = 256  # prompts per validation generate call
+    max_val_samples: int = -1  # cap on validation prompts (-1: all)
+    max_prompt_length: int = 512  # tokens; longer prompts are dropped and counted
+    max_response_length: int = 256  # tokens generated per response
+    enable_thinking: bool = False  # Qwen3 chat template switch
+    seed: int = 1  # shuffling seed
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm", "native"] = "vllm"  # vllm: colocated engine; native: trainer's own model
+    n: int = 5  # responses per prompt (GRPO group size)
+    temperature: float = 1.0  # sampling temperature (also applied to training log-probs)
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    gpu_memory_utilization: float = 0.4  # vLLM share of GPU memory (KV cache + weights)
+    max_num_seqs: int = 256  # vLLM concurrent sequences
+    max_model_len: int | None = None  # default: max_prompt_length + max_response_length
+    enforce_eager: bool = False  # True disables CUDA graphs in vLLM (always True on CPU)
+    tensor_parallel_size: int = 1  # vLLM TP group size (external_launcher when > 1)
+    free_cache_engine: bool = True  # sleep vLLM during the actor update, wake before generation
+    seed: int = 0  # sampling seed
+
+
+@dataclass
+class ParallelismConfig:
+    """Same names and meanings as torchtitan's ParallelismConfig."""
+
+    data_parallel_replicate_degree: int = 1  # HSDP replicas
+    data_parallel_shard_degree: int = -1  # FSDP2 shards; -1: whatever the other degrees leave
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1  # accepted, not implemented
+    enable_sequence_parallel: bool = True  # with TP
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    spmd_backend: str = "auto"  # spmd_types (torch >= 2.14) | partial_dtensor | full_dtensor; auto picks
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "selective"  # selective | full | none
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False  # torch.compile per transformer block (torchtitan)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "AdamW"
+    lr: float = 1e-6  # verl recipe
+    weight_decay: float = 0.01  # verl default
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+
+
+@dataclass
+class LRSchedulerConfig:
+    """torchtitan's LR schedule: linear warmup, optional decay over the last `decay_ratio` of steps."""
+
+    warmup_steps: int = 0
+    decay_ratio: float | None = None  # None: constant after warmup (verl recipe)
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    min_lr_factor: float = 0.0
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 64  # prompts per optimizer step (x n responses)
+    ppo_epochs: int = 1
+    max_tokens_per_micro_batch: int = 16384  # packed tokens per forward on one rank
+    max_norm: float = 1.0  # grad clipping
+    use_rollout_logprobs: bool = False  # use the sampler's log-probs as old log-probs (skips a pass)
+    enable_cpu_offload: bool = False  # FSDP2 CPU offload of params, grads and optimizer states
+    logprob_chunk_tokens: int = 4096  # tokens per chunk when turning hidden states into log-probs
+
+
+@dataclass
+class AlgorithmConfig:
+    norm_adv_by_std: bool = True  # False: Dr.GRPO (no std division)
+    adv_epsilon: float = 1e-6
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual clip for negative advantages
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    entropy_coeff: float = 0.0
+    tis_cap: float | None = None  # truncated importance sampling cap C (rollout vs trainer); None: off
+
+
+@dataclass
+class RewardConfig:
+    method: Literal["strict", "flexible"] = "strict"  # verl gsm8k extraction
+    format_score: float = 0.0  # score for a well-formed but wrong answer
+    correct_score: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    save_freq: int = -1  # steps between DCP checkpoints; -1: only at the end when export_hf
+    keep_latest_k: int = 2  # DCP checkpoints kept (0: all)
+    resume: bool = True  # resume from the latest checkpoint in output_dir
+    export_hf: bool = True  # write HF safetensors of the final weights
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: int = 100
+    test_freq: int = -1  # steps between validations (-1: only before and after training)
+    output_dir: str = "outputs/run"  # metrics.jsonl, checkpoints, export
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    seed: int = 42
+    val_before_train: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def parse_cli(args: list[str] | None = None) -> Config:
+    """Parse `--section.field value` arguments into a Config."""
+    import tyro
+
+    return tyro.cli(Config, args=args, config=(tyro.conf.FlagConversionOff,))
+
+
+def resolve_device(cfg: Config) -> str:
+    """'cuda' or 'cpu' for trainer.device=auto."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_spmd_backend(cfg: Config) -> str:
+    """spmd_types on torch >= 2.14, partial_dtensor before (spmd_types needs 2.14)."""
+    if cfg.parallelism.spmd_backend != "auto":
+        return cfg.parallelism.spmd_backend
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "spmd_types" if (major, minor) >= (2, 14) else "partial_dtensor"
+
+
+def dp_shard_degree(p: ParallelismConfig, world_size: int) -> int:
+    """FSDP degree, resolving -1 to what the other degrees leave."""
+    if p.data_parallel_shard_degree != -1:
+        return p.data_parallel_shard_degree
+    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree
+    others *= p.context_parallel_degree * p.pipeline_parallel_degree
+    return max(world_size // others, 1)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise ValueError / NotImplementedError with one line naming the setting and the fix."""
+    p, device = cfg.parallelism, resolve_device(cfg)
+    if p.pipeline_parallel_degree > 1:
+        raise NotImplementedError(
+            "parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
+            "in titan-grpo; use FSDP/TP/CP/EP (set it to 1)"
+        )
+    mesh = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
+    mesh *= p.tensor_parallel_degree * p.context_parallel_degree
+    if mesh != world_size:
+        raise ValueError(
+            f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "
+            f"tensor_parallel_degree x context_parallel_degree = {mesh} != world size "
+            f"{world_size}; make the product equal the number of processes"
+        )
+    if cfg.model.attn_type not in ATTN_TYPES:
+        raise ValueError(f"model.attn_type={cfg.model.attn_type!r} is unknown; use one of {ATTN_TYPES}")
+    if cfg.activation_checkpoint.mode not in AC_MODES:
+        raise ValueError(
+            f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r} is unknown; use one of {AC_MODES}"
+        )
+    if p.spmd_backend not in SPMD_BACKENDS + ("auto",):
+        raise ValueError(f"parallelism.spmd_backend={p.spmd_backend!r} is unknown; use auto or one of {SPMD_BACKENDS}")
+    if resolve_spmd_backend(cfg) == "spmd_types" and torch.__version__ < "2.14":
+        raise ValueError(
+            f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
+            "use --parallelism.spmd_backend partial_dtensor"
+        )
+    _validate_attention(cfg.model.attn_type, device)
+    _validate_model_dir(cfg.model.path)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.actor.max_tokens_per_micro_batch < longest:
+        raise ValueError(
+            f"actor.max_tokens_per_micro_batch={cfg.actor.max_tokens_per_micro_batch} is smaller than one "
+            f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}"
+        )
+    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
+        raise ValueError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+            f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}; make it one"
+        )
+    if cfg.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"algorithm.loss_agg_mode={cfg.algorithm.loss_agg_mode!r} is unknown; use one of {LOSS_AGG_MODES}")
+    if cfg.algorithm.kl_loss_type not in KL_TYPES:
+        raise ValueError(f"algorithm.kl_loss_type={cfg.algorithm.kl_loss_type!r} is unknown; use one of {KL_TYPES}")
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+def _validate_attention(attn_type: str, device: str) -> None:
+    if device == "cpu" and attn_type != "sdpa":
+        raise ValueError(
+            f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
+            "use --model.attn_type sdpa on CPU"
+        )
+    if attn_type == "flex_flash" and not (
+        torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    ):
+        raise ValueError(
+            "model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex"
+        )
+
+
+def _validate_model_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        if os.path.isabs(path) or path.startswith("."):
+            raise ValueError(f"model.path={path} does not exist; give an HF model dir or a hub id")
+        return  # a hub id: run.sh / load_model_dir downloads it
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"model.path={path} has no config.json; point it at an HF model dir")
+    with open(config_file) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"model.path={path} is model_type={model_type!r}; only qwen3 and qwen3_moe are supported")

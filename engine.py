@@ -1,0 +1,492 @@
+"""The trainer side: torchtitan's `Trainer`, wrapped as verl's TorchTitan engine.
+
+`TorchTitanEngine` builds a `torchtitan.trainer.Trainer` (as verl does) and reuses what it
+builds: `model_parts`, `optimizers`, `lr_schedulers`, `parallel_dims`, `checkpointer`.
+The Trainer is handed a no-op dataloader (the GRPO loop feeds it), the HF tokenizer of the
+model dir, and a Qwen3 model config read from the dir's `config.json` (any size, dense or
+MoE); torchtitan's checkpointer loads the HF safetensors and writes DCP checkpoints.
+`TorchTitanEngineWithLMHead` adds the causal-LM head: per-token log-probs (and entropy)
+of packed micro-batches, with the vocab sharded under TP.
+
+CPU (tests, laptops): torchtitan assumes CUDA, so `use_cpu_device()` points its device
+globals at the CPU; gloo has no PREMUL_SUM, so FSDP is set to plain sum reduction; and
+`attn_type=sdpa` runs SDPA with a dense document mask, since Flex has no CPU backward
+and varlen no CPU kernel.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+from config import Config, dp_shard_degree, resolve_device, resolve_spmd_backend
+
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------- device
+
+
+class _CpuDeviceModule:
+    """torch.cpu plus the torch.cuda-style calls torchtitan makes (names, memory stats)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, *_):
+        return "cpu"
+
+    def get_device_properties(self, *_):
+        return type("CpuProperties", (), {"total_memory": 1, "name": "cpu"})()
+
+    def memory_stats(self, *_):
+        return {"active_bytes.all.peak": 0, "reserved_bytes.all.peak": 0, "num_alloc_retries": 0, "num_ooms": 0}
+
+    def reset_peak_memory_stats(self, *_):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+def use_cpu_device() -> None:
+    """Point torchtitan's module-level device globals (CUDA by default) at the CPU."""
+    import importlib
+
+    for name in (
+        "torchtitan.tools.utils",
+        "torchtitan.distributed.utils",
+        "torchtitan.distributed.parallel_dims",
+        "torchtitan.components.metrics",
+        "torchtitan.models.common.token_dispatcher",
+        "torchtitan.tools.profiler",
+    ):
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = _CpuDeviceModule()
+
+
+def init_process_group(device: str) -> None:
+    """Init torch.distributed (nccl on GPU, gloo on CPU); works without torchrun too."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _dense_mask_attention_class():
+    """SDPA with a dense document-causal mask, taking the same BlockMask as Flex (CPU path)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    class DenseMaskAttention(FlexAttention):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(FlexAttention.Config):
+            pass
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: BlockMask, scale=None, enable_gqa=False, **_):
+            B, L = q_BLNH.shape[:2]
+            mask = create_mask(attention_masks.mask_mod, B, None, L, L, device=q_BLNH.device)
+            out = F.scaled_dot_product_attention(
+                q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
+                attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
+            )
+            return out.transpose(1, 2)
+
+    return DenseMaskAttention
+
+
+def qwen3_model_config(hf: dict, attn_type: str):
+    """torchtitan Qwen3Model.Config from an HF Qwen3 / Qwen3-MoE config.json dict."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _LINEAR_INIT, _build_qwen3_layers,
+        _build_qwen3_moe_layers, _qwen3_norm,
+    )
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // n_heads
+    rope_params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta") or rope_params.get("rope_theta", 1e6)
+    if (hf.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ValueError("model.path: rope_scaling is not supported; use a model without it")
+    layer_args = dict(
+        n_layers=hf["num_hidden_layers"], dim=dim, n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        attn_backend="flex" if attn_type == "sdpa" else attn_type,
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=theta),
+    )
+    if hf.get("num_experts"):
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1 or not hf.get("norm_topk_prob", True):
+            raise ValueError("model.path: Qwen3-MoE with dense layers or norm_topk_prob=false is not supported")
+        layers = _build_qwen3_moe_layers(
+            **layer_args, moe_hidden_dim=hf["moe_intermediate_size"], num_experts=hf["num_experts"],
+            top_k=hf["num_experts_per_tok"], moe_comm_backend="standard",
+        )
+    else:
+        layers = _build_qwen3_layers(**layer_args, hidden_dim=hf["intermediate_size"])
+    tied, vocab = bool(hf.get("tie_word_embeddings", False)), hf["vocab_size"]
+    model = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=layers,
+    )
+    for _, norm, _, _ in model.traverse(RMSNorm.Config):
+        norm.eps = hf.get("rms_norm_eps", 1e-6)
+    if attn_type == "sdpa":
+        for _, _, parent, attr in list(model.traverse(FlexAttention.Config)):
+            parent.__setattr__(attr, _dense_mask_attention_class().Config())
+    return model
+
+
+def load_model_dir(path: str) -> str:
+    """Local dir of an HF model: `path` itself, or a hub id fetched with huggingface_hub."""
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "merges.txt"])
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def _no_op_dataloader_config():
+    """A torchtitan dataloader config whose loader yields nothing: the GRPO loop feeds batches."""
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    class NoOpDataLoader(BaseDataLoader):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config, **_):
+            self.config = config
+
+        def __iter__(self):
+            return iter(())
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+    return NoOpDataLoader.Config()
+
+
+def trainer_config(cfg: Config, model_dir: str, world_size: int):
+    """torchtitan Trainer.Config mapped 1:1 from our Config."""
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import (
+        LRSchedulersContainer, OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook,
+    )
+    from torchtitan.config.configs import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.qwen3 import parallelize_qwen3
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.trainer import Trainer
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model = qwen3_model_config(json.load(f), cfg.model.attn_type)
+    p, o = cfg.parallelism, cfg.optimizer
+    optimizer_steps = cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * (
+        cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    )
+    return Trainer.Config(
+        model_spec=ModelSpec(
+            name="qwen3", flavor="hf", model=model, parallelize_fn=parallelize_qwen3, pipelining_fn=None,
+            post_optimizer_build_fn=register_moe_load_balancing_hook, state_dict_adapter=Qwen3StateDictAdapter,
+        ),
+        hf_assets_path=model_dir,
+        dump_folder=cfg.trainer.output_dir,
+        dataloader=_no_op_dataloader_config(),
+        loss=CrossEntropyLoss.Config(),  # unused: the GRPO loss lives in grpo.py
+        optimizer=OptimizersContainer.Config(
+            implementation=o.implementation,
+            param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=dict(
+                lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay))],
+        ),
+        lr_scheduler=LRSchedulersContainer.Config(**dataclasses.asdict(cfg.lr_scheduler)),
+        training=TrainingConfig(
+            seq_len=sequence_budget(cfg), steps=max(optimizer_steps, 1), max_norm=cfg.actor.max_norm,
+            dtype="float32", mixed_precision_param=cfg.model.dtype,
+            enable_cpu_offload=cfg.actor.enable_cpu_offload, disable_cuda_graphs=True,
+        ),
+        parallelism=ParallelismConfig(
+            data_parallel_replicate_degree=p.data_parallel_replicate_degree,
+            data_parallel_shard_degree=dp_shard_degree(p, world_size),
+            tensor_parallel_degree=p.tensor_parallel_degree, context_parallel_degree=p.context_parallel_degree,
+            expert_parallel_degree=p.expert_parallel_degree, pipeline_parallel_degree=p.pipeline_parallel_degree,
+            enable_sequence_parallel=p.enable_sequence_parallel and p.tensor_parallel_degree > 1,
+            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward, spmd_backend=resolve_spmd_backend(cfg),
+        ),
+        checkpoint=CheckpointManager.Config(
+            enable=True, folder="checkpoint", interval=1,  # the loop decides when; interval=1 never skips
+            keep_latest_k=cfg.checkpoint.keep_latest_k,
+            initial_load_path=None if cfg.model.random_init else model_dir,
+            initial_load_in_hf=not cfg.model.random_init, initial_load_model_only=True,
+            last_save_model_only=True, last_save_in_hf=True, export_dtype="float32",
+            load_only=False,
+        ),
+        activation_checkpoint={"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[
+            cfg.activation_checkpoint.mode
+        ],
+        compile=CompileConfig(enable=cfg.compile.enable, components=["model"]),
+        debug=DebugConfig(seed=cfg.trainer.seed, enable_structured_logging=False),
+    )
+
+
+def sequence_budget(cfg: Config) -> int:
+    """Longest sequence (RoPE length), rounded up to what SP/CP need to split evenly."""
+    p = cfg.parallelism
+    divisor = p.tensor_parallel_degree * (2 * p.context_parallel_degree if p.context_parallel_degree > 1 else 1)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return -(-longest // divisor) * divisor
+
+
+class TorchTitanEngine:
+    """torchtitan Trainer as an RL actor: model, optimizer, LR schedule, checkpoints, HF export."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.device_type = resolve_device(cfg)
+        if self.device_type == "cpu":
+            use_cpu_device()
+        init_process_group(self.device_type)
+        from torchtitan.trainer import Trainer
+
+        self.model_dir = load_model_dir(cfg.model.path)
+        self.trainer = Trainer(trainer_config(cfg, self.model_dir, dist.get_world_size()))
+        self.model_parts, self.parallel_dims = self.trainer.model_parts, self.trainer.parallel_dims
+        self.optimizers, self.lr_schedulers = self.trainer.optimizers, self.trainer.lr_schedulers
+        self.checkpointer, self.device = self.trainer.checkpointer, self.trainer.device
+        self.sd_adapter = self.checkpointer.sd_adapter
+        if self.device_type == "cpu":
+            self._use_sum_reduction()
+        self.loaded_step = self._load()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.model_parts[0]
+
+    def _use_sum_reduction(self) -> None:
+        # gloo has no PREMUL_SUM; torchtitan already sets the divide factor to 1 (loss is globally normalized)
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    def _load(self) -> int:
+        """Load the latest DCP checkpoint of output_dir if any (resume), else the HF weights."""
+        if not self.cfg.checkpoint.resume and os.path.isdir(self.checkpointer.folder):
+            raise ValueError(
+                f"checkpoint.resume=False but {self.checkpointer.folder} exists; remove it or set trainer.output_dir"
+            )
+        self.checkpointer.load()
+        return self.trainer.step
+
+    # ------------------------------------------------------------------ data parallel
+
+    @property
+    def dp_mesh(self):
+        return self.parallel_dims.get_optional_mesh("batch")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_mesh.size() if self.dp_mesh is not None else 1
+
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over data-parallel ranks (identity without DP)."""
+        if self.dp_mesh is None:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.dp_mesh.get_group())
+        return value
+
+    # ------------------------------------------------------------------ modes and steps
+
+    @contextlib.contextmanager
+    def train_mode(self):
+        """Model in train mode; gradients start from zero."""
+        self.model.train()
+        self.optimizers.zero_grad()
+        yield
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        """Model in eval mode, no autograd."""
+        self.model.eval()
+        with torch.no_grad():
+            yield
+        self.model.train()
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip grads, step the optimizer unless the norm is non-finite; returns (grad_norm, stepped)."""
+        from torchtitan.distributed import utils as dist_utils
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.cfg.actor.max_norm, foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        stepped = bool(torch.isfinite(torch.tensor(grad_norm)))
+        if stepped:
+            self.optimizers.step()
+        self.optimizers.zero_grad()
+        return grad_norm, stepped
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule; returns the LR just used."""
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        self.lr_schedulers.step()
+        self.trainer.step += 1
+        return float(lr)
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def save_checkpoint(self, step: int) -> None:
+        """Write a DCP checkpoint (model, optimizer, LR schedule, step) for `step`; always writes."""
+        self.trainer.step = step
+        assert self.checkpointer.save(step), "torchtitan's checkpointer skipped a save"
+        self.checkpointer.maybe_wait_for_saving()
+
+    def export_hf(self, step: int) -> str:
+        """Write the current weights as HF safetensors (+ config, tokenizer); returns the dir."""
+        self.checkpointer.save(step, last_step=True)
+        out = os.path.join(self.checkpointer.folder, f"step-{step}")
+        if dist.get_rank() == 0:
+            import shutil
+
+            for name in os.listdir(self.model_dir):
+                if name.endswith((".json", ".txt", ".model")) and not name.endswith("index.json"):
+                    shutil.copy(os.path.join(self.model_dir, name), out)
+        dist.barrier()
+        return out
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) one parameter at a time; tied lm_head.weight included."""
+        from torchtitan.components.checkpointer.utils import canonical_fqn
+
+        for name, tensor in self.model.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            for hf_name, hf_tensor in self.sd_adapter.to_hf({canonical_fqn(name): tensor}).items():
+                yield hf_name, hf_tensor
+
+
+class TorchTitanEngineWithLMHead(TorchTitanEngine):
+    """Adds causal-LM log-probs: `forward(tokens, positions, labels)` on packed micro-batches."""
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
+        temperature: float = 1.0, with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log p(label) of a packed [1, T] micro-batch (0 where label is IGNORE_INDEX).
+
+        Sequences are packed back to back; `positions` restart at 0 for each one and define
+        the document mask. Returns (logprobs [T], entropy [T] or None), float32.
+        """
+        input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
+        inputs, local_labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels.to(self.device))
+        with self.trainer.train_context():
+            logits = self.model(inputs, **kwargs)
+            return token_logprobs(
+                logits, local_labels, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens
+            )
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def _tp_group_and_vocab(logits):
+    """(local logits, TP process group or None, global vocab size)."""
+    from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
+    from torchtitan.distributed.utils import get_spmd_backend
+
+    if isinstance(logits, DTensor):
+        vocab = logits.shape[-1]
+        if logits.placements == (Shard(logits.ndim - 1),):
+            return logits.to_local(), logits.device_mesh.get_group(), vocab
+        return logits.full_tensor(), None, vocab
+    if get_spmd_backend() == "spmd_types" and spmd_mesh_size("tp") > 1:
+        group = current_spmd_mesh().get_group("tp")
+        return logits, group, logits.shape[-1] * dist.get_world_size(group)
+    return logits, None, logits.shape[-1]
+
+
+def token_logprobs(logits, labels, temperature: float, with_entropy: bool, chunk_tokens: int):
+    """log p(label) and entropy per token, fp32 only one chunk of tokens at a time."""
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
+    local_logits, tp_group, vocab = _tp_group_and_vocab(logits)
+    local_logits, labels = local_logits.flatten(0, 1), labels.flatten()
+    logprob_chunks, entropy_chunks = [], []
+    for start in range(0, labels.numel(), chunk_tokens):
+        args = (local_logits[start:start + chunk_tokens], labels[start:start + chunk_tokens])
+        fn = lambda x, y: _chunk_logprobs(x, y, temperature, tp_group, vocab, with_entropy)  # noqa: E731
+        if torch.is_grad_enabled():  # recompute the fp32 chunk in backward instead of keeping it
+            logprob, entropy = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        else:
+            logprob, entropy = fn(*args)
+        logprob_chunks.append(logprob)
+        entropy_chunks.append(entropy)
+    logprobs = torch.cat(logprob_chunks)
+    return logprobs, torch.cat(entropy_chunks) if with_entropy else None
+
+
+def _chunk_logprobs(logits, labels, temperature, tp_group, vocab, with_entropy):
+    from torchtitan.components.loss import _LossParallelCrossEntropy
+
+    logits = logits.float() / temperature
+    if tp_group is None:
+        nll = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
+    else:
+        nll = _LossParallelCrossEntropy.apply(logits, labels, tp_group, vocab, "none")
+    entropy = _entropy(logits, tp_group) if with_entropy else torch.zeros(())
+    return -nll, entropy
+
+
+def _entropy(logits, tp_group):
+    """Entropy of softmax(logits) per row; the vocab may be split across the TP group."""
+    from torch.distributed.nn.functional import all_reduce
+
+    if tp_group is None:
+        logp = torch.log_softmax(logits, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+    row_max = logits.detach().amax(-1, keepdim=True)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - row_max
+    log_z = torch.log(all_reduce(shifted.exp().sum(-1, keepdim=True), group=tp_group))
+    logp = shifted - log_z
+    return all_reduce(-(logp.exp() * logp).sum(-1), group=tp_group)
