@@ -214,6 +214,11 @@ def validate(cfg: Config, world_size: int) -> None:
             f"tensor_parallel_degree x context_parallel_degree = {mesh} != world size "
             f"{world_size}; make the product equal the number of processes"
         )
+    if p.context_parallel_degree > 1:
+        raise NotImplementedError(
+            "parallelism.context_parallel_degree > 1: gathering CP-sharded log-probs back per sequence "
+            "is not implemented yet; set it to 1"
+        )
     if cfg.model.attn_type not in ATTN_TYPES:
         raise ValueError(f"model.attn_type={cfg.model.attn_type!r} is unknown; use one of {ATTN_TYPES}")
     if cfg.activation_checkpoint.mode not in AC_MODES:

@@ -417,13 +417,43 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         Sequences are packed back to back; `positions` restart at 0 for each one and define
         the document mask. Returns (logprobs [T], entropy [T] or None), float32.
         """
+        length = tokens.shape[1]
+        logits, labels = self._logits(tokens, positions, labels)
+        logprobs, entropy = token_logprobs(
+            logits, labels, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens
+        )
+        return logprobs[:length], entropy[:length] if entropy is not None else None
+
+    def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits [T, V] of a packed [1, T] batch (gathered over TP); for sampling."""
+        length = tokens.shape[1]
+        logits, _ = self._logits(tokens, positions, torch.full_like(tokens, IGNORE_INDEX))
+        local, tp_group, _ = _tp_group_and_vocab(logits)
+        if tp_group is not None:
+            shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(shards, local.contiguous(), group=tp_group)
+            local = torch.cat(shards, dim=-1)
+        return local[0, :length]
+
+    def _logits(self, tokens, positions, labels):
+        tokens, positions, labels = self._pad_for_sharding(tokens, positions, labels)
         input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
-        inputs, local_labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels.to(self.device))
+        inputs, labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels.to(self.device))
         with self.trainer.train_context():
-            logits = self.model(inputs, **kwargs)
-            return token_logprobs(
-                logits, local_labels, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens
-            )
+            return self.model(inputs, **kwargs), labels
+
+    def _pad_for_sharding(self, tokens, positions, labels):
+        """Pad the packed length to a multiple of what sequence / context parallel split by."""
+        p = self.cfg.parallelism
+        divisor = p.tensor_parallel_degree * (2 * p.context_parallel_degree if p.context_parallel_degree > 1 else 1)
+        pad = -tokens.shape[1] % divisor
+        if pad == 0:
+            return tokens, positions, labels
+        return (
+            F.pad(tokens, (0, pad)),
+            torch.cat([positions, torch.arange(pad)[None].to(positions)], dim=1),  # a separate padding doc
+            F.pad(labels, (0, pad), value=IGNORE_INDEX),
+        )
 
 
 # ----------------------------------------------------------------------------- log-probs

@@ -1,0 +1,121 @@
+"""Every formula of GRPO as a small pure function on tensors (names follow verl).
+
+Per-token tensors are flat [T] over the packed tokens of a micro-batch. Losses are sums of
+`token_weights * per_token_loss`, where the weights already carry the normalisation by
+*global* token / sequence counts, so the loss does not depend on DP size or micro-batching.
+"""
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, norm_adv_by_std: bool = True,
+                     epsilon: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantage per response: (r - mean_group) / (std_group + eps).
+
+    verl `compute_grpo_outcome_advantage`: groups are consecutive `group_size` responses of
+    one prompt; std is unbiased; a group of one gets mean 0, std 1. `norm_adv_by_std=False`
+    is Dr.GRPO (no std division).
+    """
+    grouped = rewards.view(-1, group_size).float()
+    if group_size == 1:
+        mean, std = torch.zeros_like(grouped), torch.ones_like(grouped)
+    else:
+        mean, std = grouped.mean(-1, keepdim=True), grouped.std(-1, keepdim=True)
+    centered = grouped - mean
+    return (centered / (std + epsilon) if norm_adv_by_std else centered).view(-1)
+
+
+def token_weights(response_lengths: torch.Tensor, mode: str, global_tokens: float, global_seqs: float,
+                  max_response_length: int) -> torch.Tensor:
+    """Weight of each response token in the aggregated loss, for verl's `loss_agg_mode`.
+
+    token-mean: 1 / tokens; seq-mean-token-sum: 1 / seqs; seq-mean-token-mean: 1 / (len * seqs);
+    seq-mean-token-sum-norm (Dr.GRPO): 1 / (seqs * max_response_length). Counts are global
+    (all DP ranks, all micro-batches of the mini-batch). Returns per-response weights [S].
+    """
+    lengths = response_lengths.float()
+    if mode == "token-mean":
+        return torch.full_like(lengths, 1.0 / global_tokens)
+    if mode == "seq-mean-token-sum":
+        return torch.full_like(lengths, 1.0 / global_seqs)
+    if mode == "seq-mean-token-mean":
+        return 1.0 / (lengths.clamp(min=1) * global_seqs)
+    if mode == "seq-mean-token-sum-norm":
+        return torch.full_like(lengths, 1.0 / (global_seqs * max_response_length))
+    raise ValueError(f"algorithm.loss_agg_mode={mode!r} is unknown")
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
+    """Per-token PPO clipped surrogate with dual clip (verl `compute_policy_loss_vanilla`).
+
+    Returns (loss [T], clipped [T] bool, clipped_lower [T] bool, approx_kl [T]).
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(-advantages * clip_ratio_c, loss_ppo)
+    negative = advantages < 0
+    loss = torch.where(negative, loss_dual, loss_ppo)
+    clipped = loss_clipped > loss_unclipped
+    clipped_lower = (loss_ppo > -advantages * clip_ratio_c) & negative
+    return loss, clipped, clipped_lower, -log_ratio
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate: k1, k2, or k3 / low_var_kl (Schulman's, clamped to ±10)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        neg = (-log_ratio).clamp(-20.0, 20.0)
+        return (torch.exp(neg) - neg - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"algorithm.kl_loss_type={kind!r} is unknown")
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Token-level truncated importance weights min(pi_old / pi_rollout, C), no gradient."""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
+def rollout_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token trainer-vs-sampler mismatch: |Δlogp| and the k3 KL estimate."""
+    return {
+        "abs_diff": (old_logprobs - rollout_logprobs).abs(),
+        "k3": kl_penalty(old_logprobs, rollout_logprobs, "k3"),
+    }
+
+
+def grpo_token_loss(logprobs, old_logprobs, advantages, weights, algo, entropy=None, ref_logprobs=None,
+                    rollout_logprobs=None):
+    """The weighted GRPO loss of one micro-batch (a scalar) and its weighted metrics.
+
+    `weights` are per-token (0 on prompt and padding tokens); summed over every micro-batch
+    and DP rank, the returned loss and metrics are the mini-batch values.
+    """
+    pg, clipped, clipped_lower, approx_kl = policy_loss(
+        logprobs, old_logprobs, advantages, algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c
+    )
+    if algo.tis_cap is not None and rollout_logprobs is not None:
+        pg = pg * truncated_is_weights(old_logprobs, rollout_logprobs, algo.tis_cap)
+    loss = (weights * pg).sum()
+    metrics = {
+        "actor/pg_loss": loss.detach(),
+        "actor/pg_clipfrac": (weights * clipped).sum(),
+        "actor/pg_clipfrac_lower": (weights * clipped_lower).sum(),
+        "actor/ppo_kl": (weights * approx_kl).sum().detach(),
+    }
+    if entropy is not None:
+        entropy_mean = (weights * entropy).sum()
+        metrics["actor/entropy"] = entropy_mean.detach()
+        if algo.entropy_coeff:
+            loss = loss - algo.entropy_coeff * entropy_mean
+    if algo.use_kl_loss and ref_logprobs is not None:
+        kl = (weights * kl_penalty(logprobs, ref_logprobs, algo.kl_loss_type)).sum()
+        metrics["actor/kl_loss"] = kl.detach()
+        loss = loss + algo.kl_loss_coef * kl
+    return loss, metrics

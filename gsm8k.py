@@ -1,0 +1,78 @@
+"""GSM8K: dataset, prompt and reward. The file a fork replaces for another task.
+
+A task is three things: `load_problems(source)` -> [{"question", "ground_truth"}],
+`build_prompt(question)` -> chat messages, and `score(response, ground_truth)` -> float.
+"""
+
+import json
+import random
+import re
+
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+SOLUTION_CLIP_CHARS = 300  # verl: only the response tail is searched for the answer
+
+
+def ground_truth_of(answer: str) -> str:
+    """The number after '#### ' in a GSM8K answer, commas removed."""
+    return answer.split("#### ")[-1].strip().replace(",", "")
+
+
+def load_problems(source: str, seed: int = 0, count: int = 2000) -> list[dict]:
+    """Problems from a jsonl/parquet path (openai or verl schema), a hub name, or 'synthetic'."""
+    if source == "synthetic":
+        return synthetic_problems(count, seed)
+    if source.endswith(".jsonl"):
+        with open(source) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    elif source.endswith(".parquet"):
+        import pandas as pd
+
+        rows = pd.read_parquet(source).to_dict("records")
+    else:  # a hub dataset name, e.g. openai/gsm8k (needs network)
+        import datasets
+
+        rows = list(datasets.load_dataset(source, "main", split="train"))
+    return [_problem_from_row(row) for row in rows]
+
+
+def _problem_from_row(row: dict) -> dict:
+    if "question" in row:  # openai/grade-school-math jsonl
+        return {"question": row["question"], "ground_truth": ground_truth_of(row["answer"])}
+    # verl's preprocessed parquet: question in extra_info, answer in reward_model
+    return {"question": row["extra_info"]["question"], "ground_truth": str(row["reward_model"]["ground_truth"])}
+
+
+def synthetic_problems(count: int, seed: int) -> list[dict]:
+    """Seeded single-digit arithmetic in GSM8K format ("What is 3+4?" -> "7")."""
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(count):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        op = rng.choice("+-*")
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        problems.append({"question": f"What is {a}{op}{b}?", "ground_truth": str(value)})
+    return problems
+
+
+def build_prompt(question: str) -> list[dict]:
+    """One user message: the question and the step-by-step instruction (verl's GSM8K prompt)."""
+    return [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
+
+
+def extract_answer(response: str, method: str = "strict") -> str | None:
+    """strict: the last '#### number'; flexible: the last number. Only the last 300 chars count."""
+    tail = response[-SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = re.findall(r"#### (\-?[0-9\.\,]+)", tail)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    numbers = [n for n in re.findall(r"(\-?[0-9\.\,]+)", tail) if n not in ("", ".")]
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def score(response: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
+          correct_score: float = 1.0) -> float:
+    """verl gsm8k reward: correct_score if the answer matches, format_score if one was found, else 0."""
+    answer = extract_answer(response, method)
+    if answer is None:
+        return 0.0
+    return correct_score if answer == ground_truth else format_score

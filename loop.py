@@ -1,0 +1,465 @@
+"""GRPO training loop: rollout -> reward -> advantages -> update -> weight sync.
+
+    bash run.sh                                            # CPU demo, or GPU with defaults
+    torchrun --nproc_per_node=4 loop.py --parallelism.data_parallel_shard_degree 2 \\
+        --parallelism.tensor_parallel_degree 2 --model.path Qwen/Qwen3-0.6B
+    python loop.py plot outputs/run                        # reward / length / KL curves as PNG
+
+Every setting is a `--section.field value` flag of config.py.
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import gsm8k
+import grpo
+from config import Config, parse_cli, validate
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead
+from rollout import Rollout, build_rollout
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class Sample:
+    """One prompt + response, with everything the update needs."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    advantage: float = 0.0
+    old_logprobs: torch.Tensor | None = None  # [response length]
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def labels(self) -> torch.Tensor:
+        """Next-token labels on the positions that predict response tokens, IGNORE elsewhere."""
+        labels = torch.full((len(self.tokens),), IGNORE_INDEX)
+        start = len(self.prompt_ids) - 1
+        labels[start:start + len(self.response_ids)] = torch.tensor(self.response_ids, dtype=torch.long)
+        return labels
+
+    def response_slice(self) -> slice:
+        start = len(self.prompt_ids) - 1
+        return slice(start, start + len(self.response_ids))
+
+
+class PromptSet:
+    """Tokenized chat prompts; over-long ones dropped (and counted), never truncated."""
+
+    def __init__(self, problems: list[dict], tokenizer, cfg: Config, name: str):
+        self.items, dropped = [], 0
+        for problem in problems:
+            ids = tokenizer.apply_chat_template(
+                gsm8k.build_prompt(problem["question"]), add_generation_prompt=True, tokenize=True,
+                enable_thinking=cfg.data.enable_thinking,
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            if len(ids) > cfg.data.max_prompt_length:
+                dropped += 1
+                continue
+            self.items.append((ids, problem["ground_truth"]))
+        if not self.items:
+            raise ValueError(f"data: every {name} prompt is longer than data.max_prompt_length; raise it")
+        log(f"{name}: {len(self.items)} prompts, {dropped} dropped as longer than {cfg.data.max_prompt_length} tokens")
+        self.seed = cfg.data.seed
+
+    def batch(self, step: int, size: int) -> list[tuple[list[int], str]]:
+        """Prompts of a 1-based step: a fixed function of step, so resuming continues the order."""
+        per_epoch = len(self.items)
+        start = (step - 1) * size
+        batch = []
+        for index in range(start, start + size):
+            epoch, offset = divmod(index, per_epoch)
+            order = torch.randperm(per_epoch, generator=torch.Generator().manual_seed(self.seed + epoch))
+            batch.append(self.items[order[offset]])
+        return batch
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most max_tokens tokens (in order)."""
+    groups, current, used = [], [], 0
+    for index, length in enumerate(lengths):
+        if current and used + length > max_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        groups.append(current)
+    return groups
+
+
+def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only: bool, temperature: float,
+                           with_entropy: bool = False):
+    """Run packed micro-batches through the model; backward each loss unless forward_only.
+
+    Every DP rank runs the same number of micro-batches (empty ones padded in), as FSDP
+    needs. `loss_fn(samples, logprobs_per_sample, entropy_per_sample)` returns
+    (loss, metrics); losses must already be normalised by global counts. Returns the
+    per-sample log-probs of response tokens and the summed metrics.
+    """
+    groups = pack_micro_batches([len(s.tokens) for s in samples], engine.cfg.actor.max_tokens_per_micro_batch)
+    count = torch.tensor([float(len(groups))])
+    if engine.dp_mesh is not None:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=engine.dp_mesh.get_group())
+    groups += [[] for _ in range(int(count.item()) - len(groups))]
+    logprobs_out, metrics = [None] * len(samples), defaultdict(float)
+    context = engine.eval_mode() if forward_only else torch.enable_grad()
+    with context:
+        for group in groups:
+            members = [samples[i] for i in group] or [Sample([0, 0], [], [])]
+            tokens = torch.tensor([t for s in members for t in s.tokens])[None]
+            positions = torch.cat([torch.arange(len(s.tokens)) for s in members])[None]
+            labels = torch.cat([s.labels() for s in members])[None]
+            logprobs, entropy = engine.forward(tokens, positions, labels, temperature, with_entropy)
+            per_sample, per_entropy, offset = [], [], 0
+            for s in members:
+                window = slice(offset + s.response_slice().start, offset + s.response_slice().stop)
+                per_sample.append(logprobs[window])
+                per_entropy.append(entropy[window] if entropy is not None else None)
+                offset += len(s.tokens)
+            for i, lp in zip(group, per_sample):
+                logprobs_out[i] = lp.detach().cpu()
+            if loss_fn is None:
+                continue
+            loss, mb_metrics = loss_fn([samples[i] for i in group], per_sample[:len(group)],
+                                       per_entropy[:len(group)], dummy=not group, anchor=logprobs)
+            if not forward_only:
+                loss.backward()
+            for key, value in mb_metrics.items():
+                metrics[key] += float(value)
+    return logprobs_out, metrics
+
+
+def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
+    """The GRPO loss over a micro-batch, normalised by the mini-batch's global counts."""
+
+    def loss_fn(members, logprobs, entropies, dummy=False, anchor=None):
+        if dummy:  # keeps the graph connected so FSDP's collectives run; contributes nothing
+            return (anchor * 0.0).sum(), {}
+        lengths = torch.tensor([len(s.response_ids) for s in members])
+        per_seq = grpo.token_weights(lengths, cfg.algorithm.loss_agg_mode, global_tokens, global_seqs,
+                                     cfg.data.max_response_length)
+        device = logprobs[0].device
+        cat = lambda xs: torch.cat([x.to(device) for x in xs])  # noqa: E731
+        weights = cat([torch.full((n,), float(w)) for n, w in zip(lengths.tolist(), per_seq.tolist())])
+        advantages = cat([torch.full((len(s.response_ids),), s.advantage) for s in members])
+        current = cat(logprobs)
+        old = cat([s.old_logprobs if s.old_logprobs is not None else lp.detach() for s, lp in zip(members, logprobs)])
+        rollout_lp = cat([torch.tensor(s.rollout_logprobs) for s in members])
+        ref = cat([s.ref_logprobs for s in members]) if members[0].ref_logprobs is not None else None
+        entropy = cat(entropies) if entropies[0] is not None else None
+        return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, entropy, ref, rollout_lp)
+
+    return loss_fn
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def rollout_samples(cfg, sampler, prompts, step, engine, tokenizer) -> tuple[list[Sample], Rollout, list[float]]:
+    """Generate n responses per prompt, score them, attach group advantages."""
+    n = cfg.rollout.n
+    rollout = sampler.generate([ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine))
+    rollout = share_within_tp(engine, rollout)
+    texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    truths = [truth for _, truth in prompts for _ in range(n)]
+    rewards = [gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
+               for t, g in zip(texts, truths)]
+    advantages = grpo.group_advantages(torch.tensor(rewards), n, cfg.algorithm.norm_adv_by_std,
+                                       cfg.algorithm.adv_epsilon)
+    samples = [Sample(p, r, lp, float(a)) for p, r, lp, a in
+               zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs, advantages)]
+    return samples, rollout, rewards
+
+
+def step_seed(cfg: Config, step: int, engine) -> int:
+    """Sampling seed of a step on a DP rank: reproducible across resume, distinct across ranks."""
+    return cfg.rollout.seed * 1_000_003 + step * 1009 + engine.dp_rank * 17
+
+
+def share_within_tp(engine, rollout: Rollout) -> Rollout:
+    """TP peers train on the same data: take the first peer's rollout."""
+    mesh = engine.parallel_dims.get_optional_mesh("tp")
+    if mesh is None or mesh.size() == 1:
+        return rollout
+    box = [rollout]
+    dist.broadcast_object_list(box, group_src=0, group=mesh.get_group())
+    return box[0]
+
+
+def compute_old_and_ref_logprobs(cfg, engine, ref_engine, samples) -> None:
+    """Old log-probs (unless on-policy or taken from the rollout) and reference log-probs."""
+    on_policy = cfg.actor.ppo_epochs == 1 and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
+    if cfg.actor.use_rollout_logprobs:
+        for s in samples:
+            s.old_logprobs = torch.tensor(s.rollout_logprobs)
+    elif not on_policy or cfg.algorithm.tis_cap is not None:
+        old, _ = forward_backward_batch(engine, samples, None, True, cfg.rollout.temperature)
+        for s, lp in zip(samples, old):
+            s.old_logprobs = lp
+    if ref_engine is not None:
+        ref, _ = forward_backward_batch(ref_engine, samples, None, True, cfg.rollout.temperature)
+        for s, lp in zip(samples, ref):
+            s.ref_logprobs = lp
+
+
+def update_actor(cfg, engine, samples) -> dict[str, float]:
+    """ppo_epochs x mini-batches of forward_backward_batch + optimizer and LR steps."""
+    per_rank_prompts = cfg.actor.ppo_mini_batch_size // engine.dp_size
+    mini_batch = per_rank_prompts * cfg.rollout.n
+    totals, steps = defaultdict(float), 0
+    with engine.train_mode():
+        for _ in range(cfg.actor.ppo_epochs):
+            for start in range(0, len(samples), mini_batch):
+                chunk = samples[start:start + mini_batch]
+                counts = engine.dp_sum(torch.tensor([float(sum(len(s.response_ids) for s in chunk)), len(chunk)]))
+                loss_fn = grpo_loss_fn(cfg, max(counts[0].item(), 1.0), max(counts[1].item(), 1.0))
+                _, metrics = forward_backward_batch(engine, chunk, loss_fn, False, cfg.rollout.temperature,
+                                                    with_entropy=True)
+                metrics = {k: v for k, v in zip(metrics, engine.dp_sum(torch.tensor(list(metrics.values()))).tolist())}
+                grad_norm, stepped = engine.optimizer_step()
+                metrics["actor/grad_norm"] = grad_norm
+                metrics["actor/skipped_steps"] = 0.0 if stepped else 1.0
+                metrics["actor/lr"] = engine.lr_scheduler_step()
+                for key, value in metrics.items():
+                    totals[key] += value
+                steps += 1
+    result = {k: v / steps for k, v in totals.items()}
+    result["actor/skipped_steps"] = totals["actor/skipped_steps"]
+    return result
+
+
+def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -> dict[str, float]:
+    """One GRPO step; returns its metrics (verl names)."""
+    timings, t0 = {}, time.perf_counter()
+    prompts = prompts_set.batch(step, cfg.data.train_batch_size)[engine.dp_rank::engine.dp_size]
+    samples, rollout, rewards = rollout_samples(cfg, sampler, prompts, step, engine, tokenizer)
+    sampler.sleep()
+    timings["gen"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    compute_old_and_ref_logprobs(cfg, engine, ref_engine, samples)
+    timings["old_log_prob"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    metrics = update_actor(cfg, engine, samples)
+    timings["update_actor"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    timings["update_weights"] = sampler.sync_weights()
+    timings["step"] = time.perf_counter() - t0
+    metrics.update(rollout_metrics(cfg, engine, samples, rollout, rewards))
+    metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
+    metrics.update(perf_metrics(engine, samples, timings))
+    return metrics
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def rollout_metrics(cfg, engine, samples, rollout, rewards) -> dict[str, float]:
+    """Global reward, length and mismatch means (summed over DP ranks)."""
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    truncated = torch.tensor([1.0 if f == "length" else 0.0 for f in rollout.finish_reasons])
+    sums = [sum(rewards), lengths.sum().item(), truncated.sum().item(), float(len(samples)),
+            lengths.max().item()]
+    mismatch = [0.0, 0.0]
+    if samples and samples[0].old_logprobs is not None:
+        for s in samples:
+            diffs = grpo.rollout_mismatch(s.old_logprobs, torch.tensor(s.rollout_logprobs))
+            mismatch[0] += diffs["abs_diff"].sum().item()
+            mismatch[1] += diffs["k3"].sum().item()
+    total = engine.dp_sum(torch.tensor(sums[:4] + mismatch, dtype=torch.float64)).tolist()
+    count, tokens = max(total[3], 1.0), max(total[1], 1.0)
+    metrics = {
+        "critic/score/mean": total[0] / count,
+        "response_length/mean": total[1] / count,
+        "response_length/clip_ratio": total[2] / count,
+        "response_length/max": sums[4],
+    }
+    if samples and samples[0].old_logprobs is not None:
+        metrics["rollout_corr/abs_logprob_diff"] = total[4] / tokens
+        metrics["rollout_corr/kl_k3"] = total[5] / tokens
+    return metrics
+
+
+def actor_flops(engine, sequence_lengths: list[int]) -> float:
+    """Training FLOPs (fwd + bwd) of the actor update: 6 N T + 6 L h d sum(len^2) (causal attention)."""
+    model_cfg = engine.trainer.model_config
+    attention = model_cfg.layers[0].attention
+    params = sum(p.numel() for p in engine.model.parameters())
+    embedding = model_cfg.vocab_size * model_cfg.dim if not model_cfg.enable_weight_tying else 0
+    dense = 6.0 * (params - embedding) * sum(sequence_lengths)
+    attn = 6.0 * len(model_cfg.layers) * attention.n_heads * attention.head_dim * sum(n * n for n in sequence_lengths)
+    return dense + attn
+
+
+def perf_metrics(engine, samples, timings) -> dict[str, float]:
+    """Throughput (tokens/s per device), actor MFU and peak memory."""
+    from torchtitan.tools.utils import get_peak_flops
+
+    lengths = [len(s.tokens) for s in samples]
+    tokens, flops = engine.dp_sum(torch.tensor([float(sum(lengths)), actor_flops(engine, lengths)],
+                                               dtype=torch.float64)).tolist()
+    world = dist.get_world_size()
+    tp_cp = world // engine.dp_size  # TP/CP peers hold the same tokens
+    metrics = {"perf/throughput": tokens * tp_cp / timings["step"] / world}
+    if engine.device_type == "cuda":
+        peak = get_peak_flops(torch.cuda.get_device_name())
+        metrics["perf/mfu/actor"] = flops * engine.cfg.actor.ppo_epochs / (timings["update_actor"] * peak * world / tp_cp)
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        metrics["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return metrics
+
+
+def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]:
+    """Greedy mean@1 reward on the validation prompts."""
+    items = val_set.items[: cfg.data.max_val_samples] if cfg.data.max_val_samples > 0 else val_set.items
+    mine = items[engine.dp_rank::engine.dp_size]
+    total = 0.0
+    for start in range(0, len(mine), cfg.data.val_batch_size):
+        chunk = mine[start:start + cfg.data.val_batch_size]
+        rollout = share_within_tp(engine, sampler.generate([ids for ids, _ in chunk], 1, greedy=True, seed=0))
+        texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        total += sum(gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
+                     for t, (_, g) in zip(texts, chunk))
+    summed = engine.dp_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64)).tolist()
+    sampler.sleep()
+    return {"val-core/openai/gsm8k/reward/mean@1": summed[0] / max(summed[1], 1.0)}
+
+
+class MetricsLog:
+    """One console line per step and a metrics.jsonl in the output dir (rank 0)."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.rank0 = dist.get_rank() == 0
+        if self.rank0:
+            os.makedirs(output_dir, exist_ok=True)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.rank0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        keys = ["critic/score/mean", "val-core/openai/gsm8k/reward/mean@1", "actor/pg_loss", "actor/entropy",
+                "actor/grad_norm", "response_length/mean", "timing_s/step", "perf/throughput", "perf/mfu/actor"]
+        shown = " ".join(f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in keys if k in metrics)
+        print(f"step {step}: {shown}", flush=True)
+
+
+def log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def build_reference(cfg: Config):
+    """A frozen copy of the initial policy for the KL loss (built only when the loss is on)."""
+    import copy
+
+    ref_cfg = copy.deepcopy(cfg)
+    ref_cfg.trainer.output_dir = os.path.join(cfg.trainer.output_dir, "reference")
+    ref_cfg.activation_checkpoint.mode = "none"
+    return TorchTitanEngineWithLMHead(ref_cfg)
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Run GRPO for trainer.total_training_steps; returns the last step's metrics."""
+    from transformers import AutoTokenizer
+
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    torch.manual_seed(cfg.trainer.seed)
+    engine = TorchTitanEngineWithLMHead(cfg)
+    ref_engine = build_reference(cfg) if cfg.algorithm.use_kl_loss else None
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    train_set = PromptSet(gsm8k.load_problems(cfg.data.train_files, seed=cfg.data.seed), tokenizer, cfg, "train")
+    val_set = PromptSet(gsm8k.load_problems(cfg.data.val_files, seed=cfg.data.seed + 1), tokenizer, cfg, "val")
+    sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))
+    metrics_log = MetricsLog(cfg.trainer.output_dir)
+    first = engine.loaded_step + 1
+    if first > 1:
+        log(f"resumed from step {engine.loaded_step}")
+        sampler.sync_weights()
+    if cfg.trainer.val_before_train and first == 1:
+        metrics_log.write(0, run_validation(cfg, engine, sampler, val_set, tokenizer))
+    metrics = {}
+    for step in range(first, cfg.trainer.total_training_steps + 1):
+        metrics = train_step(cfg, step, engine, ref_engine, sampler, train_set, tokenizer)
+        last = step == cfg.trainer.total_training_steps
+        if (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0) or last:
+            metrics.update(run_validation(cfg, engine, sampler, val_set, tokenizer))
+        if cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0:
+            engine.save_checkpoint(step)
+        metrics_log.write(step, metrics)
+    if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
+        log(f"exported HF weights to {engine.export_hf(cfg.trainer.total_training_steps)}")
+    return metrics
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (Qwen3: <|im_end|> and <|endoftext|>), else the tokenizer's."""
+    path = os.path.join(model_dir, "generation_config.json")
+    ids = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return ids or [tokenizer.eos_token_id]
+
+
+def plot(run_dir: str) -> str:
+    """Draw reward, response length and KL from metrics.jsonl into run_dir/curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    panels = [("critic/score/mean", "reward"), ("val-core/openai/gsm8k/reward/mean@1", "val reward"),
+              ("response_length/mean", "response length"), ("actor/ppo_kl", "ppo kl")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3))
+    for ax, (key, title) in zip(axes, panels):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    out = os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["plot"]:
+        print(plot(argv[1]))
+        return
+    train(parse_cli(argv))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

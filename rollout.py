@@ -1,0 +1,187 @@
+"""Rollout: colocated vLLM or the trainer's own model, and weight sync trainer -> vLLM.
+
+Both samplers take token-id prompts and return a `Rollout` with n responses per prompt
+(consecutive), the per-token sampling log-probs (after temperature), and finish reasons.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from config import Config
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[list[int]]  # one per response (repeated n times per prompt)
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]  # sampling log-probs of response_ids
+    finish_reasons: list[str]  # "stop" (EOS) or "length" (hit max_response_length)
+
+
+def build_rollout(cfg: Config, engine, eos_token_ids: list[int]):
+    """The sampler named by rollout.name."""
+    if cfg.rollout.name == "native":
+        return NativeRollout(cfg, engine, eos_token_ids)
+    return VLLMRollout(cfg, engine)
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+class VLLMRollout:
+    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process."""
+
+    def __init__(self, cfg: Config, engine):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: weights reload in place
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise ImportError(
+                f"rollout.name=vllm but vllm cannot be imported ({error}); install the pinned set "
+                "(bash run.sh does) or use --rollout.name native"
+            ) from error
+        self.cfg, self.engine = cfg, engine
+        on_gpu = engine.device_type == "cuda"
+        world = dist.get_world_size()
+        self.llm = LLM(
+            model=engine.model_dir,
+            dtype="bfloat16" if on_gpu and cfg.model.dtype == "bfloat16" else "float32",
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            distributed_executor_backend="external_launcher" if world > 1 else None,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            max_model_len=cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+            enforce_eager=cfg.rollout.enforce_eager or not on_gpu,
+            enable_sleep_mode=on_gpu and cfg.rollout.free_cache_engine,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+            seed=cfg.rollout.seed + dist.get_rank() // cfg.rollout.tensor_parallel_size,
+            load_format="dummy" if cfg.model.random_init else "auto",
+        )
+        self.sleeping = False
+
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
+        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        r = self.cfg.rollout
+        params = [SamplingParams(
+            n=1 if greedy else n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
+            top_k=-1 if greedy else r.top_k, max_tokens=self.cfg.data.max_response_length, logprobs=0,
+            seed=seed + index,
+        ) for index in range(len(prompt_ids))]
+        self.wake_up()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        rollout = Rollout([], [], [], [])
+        for prompt, output in zip(prompt_ids, outputs):
+            for sample in output.outputs:
+                rollout.prompt_ids.append(list(prompt))
+                rollout.response_ids.append(list(sample.token_ids))
+                rollout.logprobs.append([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)])
+                rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
+        return rollout
+
+    def sync_weights(self) -> float:
+        """Load the trainer's current weights into the live engine, one tensor at a time; seconds."""
+        start = time.perf_counter()
+        self.wake_up()
+        weights = self.engine.export_hf_weights()
+        self.llm.apply_model(lambda model: model.load_weights(weights))
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Free the KV cache and weights on the GPU during the actor update (GPU only)."""
+        if self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+
+# ----------------------------------------------------------------------------- native
+
+
+class NativeRollout:
+    """Samples with the trainer's own sharded model: no vLLM, no weight sync, exact log-probs.
+
+    Recomputes the whole prefix each step (no KV cache): simple and exact, slow for long
+    responses. Every rank runs the same number of forwards (FSDP needs them in lockstep).
+    """
+
+    def __init__(self, cfg: Config, engine, eos_token_ids: list[int]):
+        self.cfg, self.engine, self.eos = cfg, engine, set(eos_token_ids)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
+        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible."""
+        r = self.cfg.rollout
+        n = 1 if greedy else n
+        prompts = [list(p) for p in prompt_ids for _ in range(n)]
+        generator = torch.Generator().manual_seed(seed)
+        responses = [[] for _ in prompts]
+        logprobs = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for _ in range(self.cfg.data.max_response_length):
+            if not self._any_rank_active(done):
+                break
+            live = [i for i, d in enumerate(done) if not d] or [0]  # keep forwarding in lockstep
+            logits = self._next_token_logits([prompts[i] + responses[i] for i in live])
+            tokens, token_logprobs = sample(logits, 1.0 if greedy else r.temperature, r.top_k, r.top_p,
+                                            greedy, generator)
+            for i, token, logprob in zip(live, tokens.tolist(), token_logprobs.tolist()):
+                if done[i]:
+                    continue
+                responses[i].append(token)
+                logprobs[i].append(logprob)
+                done[i] = token in self.eos
+        finish = ["stop" if resp and resp[-1] in self.eos else "length" for resp in responses]
+        return Rollout(prompts, responses, logprobs, finish)
+
+    def _any_rank_active(self, done: list[bool]) -> bool:
+        active = torch.tensor([0.0 if all(done) else 1.0])
+        dist.all_reduce(active)  # all ranks (FSDP and TP groups) step together
+        return active.item() > 0
+
+    def _next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        tokens = torch.tensor([t for s in sequences for t in s])[None]
+        positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+        last = torch.tensor([len(s) for s in sequences]).cumsum(0) - 1
+        with self.engine.eval_mode():
+            logits = self.engine.full_logits(tokens, positions)
+        return logits[last].float()
+
+    def sync_weights(self) -> float:
+        return 0.0  # samples with the trained weights themselves
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (tokens, log-probs of the processed distribution)."""
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative - sorted_logits.softmax(-1) > top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if greedy:
+        tokens = logits.argmax(-1)
+    else:
+        tokens = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator)[:, 0].to(logits.device)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
