@@ -398,11 +398,18 @@ class TorchTitanEngine:
         """Yield (HF name, full tensor) one parameter at a time; tied lm_head.weight included."""
         from torchtitan.components.checkpointer.utils import canonical_fqn
 
+        yielded = set()
         for name, tensor in self.model.state_dict().items():
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             for hf_name, hf_tensor in self.sd_adapter.to_hf({canonical_fqn(name): tensor}).items():
-                yield hf_name, hf_tensor
+                if hf_name not in yielded:
+                    yielded.add(hf_name)
+                    yield hf_name, hf_tensor
+                if hf_name == "model.embed_tokens.weight" and self.trainer.model_config.enable_weight_tying:
+                    tied_embedding = hf_tensor
+        if "lm_head.weight" not in yielded and self.trainer.model_config.enable_weight_tying:
+            yield "lm_head.weight", tied_embedding  # vLLM needs it even for tied models
 
 
 class TorchTitanEngineWithLMHead(TorchTitanEngine):
@@ -517,6 +524,22 @@ def _entropy(logits, tp_group):
     row_max = logits.detach().amax(-1, keepdim=True)
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - row_max
+    # Z feeds every peer's local terms, so its gradient sums over peers (all_reduce backward)
     log_z = torch.log(all_reduce(shifted.exp().sum(-1, keepdim=True), group=tp_group))
     logp = shifted - log_z
-    return all_reduce(-(logp.exp() * logp).sum(-1), group=tp_group)
+    return _SumOverTP.apply(-(logp.exp() * logp).sum(-1), tp_group)
+
+
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce sum forward, identity backward: every TP peer holds the same loss (Megatron's
+    reduce-from-model-parallel region), so summing gradients too would count them tp times."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

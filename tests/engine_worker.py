@@ -1,0 +1,69 @@
+"""Run under torchrun: build the engine with a given layout, take two optimizer steps on a
+fixed packed batch, save loss / grad norm / log-probs / final HF weights (rank 0) for comparison.
+
+    torchrun --nproc_per_node=N tests/engine_worker.py OUT.pt MODEL_DIR [--section.field value ...]
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from config import parse_cli  # noqa: E402
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead  # noqa: E402
+
+
+ENTROPY_COEF = float(os.environ.get("ENTROPY_COEF", "0.1"))
+
+
+def fixed_batch(vocab: int, seed: int = 0):
+    """Eight sequences of mixed lengths; each DP rank takes its share."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(n),), generator=g) for n in torch.randint(5, 30, (8,), generator=g)]
+
+
+def packed(seqs):
+    tokens = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    labels = torch.cat([torch.cat([s[1:], torch.tensor([IGNORE_INDEX])]) for s in seqs])[None]
+    return tokens, positions, labels
+
+
+def main():
+    out, model_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+    cfg = parse_cli(["--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32",
+                     "--trainer.device", "cpu", "--data.max_prompt_length", "32", "--data.max_response_length", "32",
+                     "--optimizer.lr", "1e-2", "--optimizer.weight_decay", "0.0", "--actor.max_norm", "1e9",
+                     "--trainer.output_dir", os.path.join(os.path.dirname(out), "run_" + os.path.basename(out)),
+                     *extra])
+    engine = TorchTitanEngineWithLMHead(cfg)
+    seqs = fixed_batch(engine.trainer.model_config.vocab_size)
+    total_tokens = sum(len(s) - 1 for s in seqs)
+    mine = seqs[engine.dp_rank::engine.dp_size]
+    result = {"loss": [], "grad_norm": []}
+    with engine.train_mode():
+        for _ in range(2):
+            loss_sum = torch.zeros(())
+            for micro in (mine[: len(mine) // 2], mine[len(mine) // 2:]):  # two micro-batches per rank
+                logprobs, entropy = engine.forward(*packed(micro), temperature=0.9, with_entropy=True)
+                loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
+                loss.backward()
+                loss_sum += loss.detach()
+            result["loss"].append(engine.dp_sum(loss_sum).item())
+            grad_norm, _ = engine.optimizer_step()
+            result["grad_norm"].append(grad_norm)
+    with engine.eval_mode():
+        result["logprobs"] = engine.forward(*packed(seqs), temperature=0.9)[0].cpu()
+    weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
+    if dist.get_rank() == 0:
+        result["weights"] = weights
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
