@@ -383,8 +383,13 @@ class TorchTitanEngine:
 
     def export_hf(self, step: int) -> str:
         """Write the current weights as HF safetensors (+ config, tokenizer); returns the dir."""
-        self.checkpointer.save(step, last_step=True)
-        out = os.path.join(self.checkpointer.folder, f"step-{step}")
+        dcp_folder = self.checkpointer.folder  # keep the export out of the resume folder
+        self.checkpointer.folder = os.path.join(self.cfg.trainer.output_dir, "hf")
+        try:
+            self.checkpointer.save(step, last_step=True)
+        finally:
+            self.checkpointer.folder = dcp_folder
+        out = os.path.join(self.cfg.trainer.output_dir, "hf", f"step-{step}")
         if dist.get_rank() == 0:
             import shutil
 

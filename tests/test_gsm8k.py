@@ -1,0 +1,55 @@
+"""Reward extraction on every gold GSM8K test answer and on hand-written bad responses."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gsm8k  # noqa: E402
+
+TEST_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+def test_every_gold_answer_scores_one():
+    with open(TEST_FILE) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 1319
+    problems = gsm8k.load_problems(TEST_FILE)
+    for row, problem in zip(rows, problems):
+        assert gsm8k.score(row["answer"], problem["ground_truth"], "strict") == 1.0, row["answer"]
+        assert gsm8k.score(row["answer"], problem["ground_truth"], "flexible") == 1.0
+
+
+@pytest.mark.parametrize("response,strict,flexible", [
+    ("The answer is 42", 0.0, 1.0),           # no '####': strict finds nothing
+    ("The answer is 42.", 0.0, 0.1),          # verl keeps the trailing '.': "42." != "42"
+    ("#### 41", 0.1, 0.1),                    # wrong number: format score
+    ("####42", 0.0, 1.0),                     # no space after ####
+    ("#### 1,042", 0.1, 0.1),                 # commas removed: 1042 != 42, a well-formed wrong answer
+    ("first #### 7 then #### 42", 1.0, 1.0),  # the last one counts
+    ("#### 42" + "x" * 400, 0.0, 0.0),        # answer outside the last 300 chars
+    ("", 0.0, 0.0),
+])
+def test_bad_and_tricky_responses(response, strict, flexible):
+    assert gsm8k.score(response, "42", "strict", format_score=0.1) == strict
+    assert gsm8k.score(response, "42", "flexible", format_score=0.1) == flexible
+
+
+def test_prompt_and_synthetic_problems():
+    messages = gsm8k.build_prompt("What is 2+3?")
+    assert messages == [{"role": "user", "content":
+                         'What is 2+3? Let\'s think step by step and output the final answer after "####".'}]
+    problems = gsm8k.load_problems("synthetic", seed=3, count=50)
+    assert problems == gsm8k.load_problems("synthetic", seed=3, count=50)
+    for p in problems:
+        assert str(eval(p["question"][8:-1])) == p["ground_truth"]
+
+
+def test_verl_parquet_schema(tmp_path):
+    pd = pytest.importorskip("pandas")
+    path = tmp_path / "train.parquet"
+    pd.DataFrame([{"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "18"},
+                   "extra_info": {"question": "What is 9+9?", "answer": "#### 18"}}]).to_parquet(path)
+    assert gsm8k.load_problems(str(path)) == [{"question": "What is 9+9?", "ground_truth": "18"}]
