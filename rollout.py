@@ -90,7 +90,8 @@ class VLLMRollout:
         start = time.perf_counter()
         self.wake_up()
         weights = self.engine.export_hf_weights()
-        self.llm.apply_model(lambda model: model.load_weights(weights))
+        # vLLM's in-place reload re-runs its post-load processing (e.g. CPU weight repacking)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 
