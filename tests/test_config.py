@@ -1,0 +1,38 @@
+"""config.validate: each bad input gives its one-line error before any heavy work."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from config import parse_cli, validate  # noqa: E402
+
+MODEL_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "titan_grpo_config_model")
+os.makedirs(MODEL_DIR, exist_ok=True)
+with open(os.path.join(MODEL_DIR, "config.json"), "w") as f:
+    f.write('{"model_type": "qwen3"}')
+GOOD = ["--model.attn_type", "sdpa", "--trainer.device", "cpu", "--model.path", MODEL_DIR]
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 2, "!= world size"),
+    (["--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline parallelism is not implemented"),
+    (["--model.attn_type", "flash"], 1, "model.attn_type='flash' is unknown"),
+    (["--model.attn_type", "flex"], 1, "use --model.attn_type sdpa on CPU"),
+    (["--activation_checkpoint.mode", "some"], 1, "activation_checkpoint.mode='some' is unknown"),
+    (["--parallelism.spmd_backend", "magic"], 1, "spmd_backend='magic' is unknown"),
+    (["--model.path", "/no/such/dir"], 1, "does not exist"),
+    (["--actor.max_tokens_per_micro_batch", "100"], 1, "smaller than one sequence"),
+    (["--algorithm.loss_agg_mode", "mean"], 1, "loss_agg_mode='mean' is unknown"),
+])
+def test_bad_input_message(flags, world, message):
+    cfg = parse_cli(GOOD + flags)
+    with pytest.raises((ValueError, NotImplementedError), match=message.replace("(", r"\(").replace("'", ".")):
+        validate(cfg, world)
+
+
+def test_model_dir_without_config_json(tmp_path):
+    cfg = parse_cli(GOOD + ["--model.path", str(tmp_path)])
+    with pytest.raises(ValueError, match="has no config.json"):
+        validate(cfg, 1)
