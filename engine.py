@@ -263,10 +263,15 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     )
 
 
+def shard_divisor(cfg: Config) -> int:
+    """What a packed length must be a multiple of for sequence / context parallel to split it."""
+    p = cfg.parallelism
+    return p.tensor_parallel_degree * (2 * p.context_parallel_degree if p.context_parallel_degree > 1 else 1)
+
+
 def sequence_budget(cfg: Config) -> int:
     """Longest sequence (RoPE length), rounded up to what SP/CP need to split evenly."""
-    p = cfg.parallelism
-    divisor = p.tensor_parallel_degree * (2 * p.context_parallel_degree if p.context_parallel_degree > 1 else 1)
+    divisor = shard_divisor(cfg)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     return -(-longest // divisor) * divisor
 
@@ -457,9 +462,7 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
 
     def _pad_for_sharding(self, tokens, positions, labels):
         """Pad the packed length to a multiple of what sequence / context parallel split by."""
-        p = self.cfg.parallelism
-        divisor = p.tensor_parallel_degree * (2 * p.context_parallel_degree if p.context_parallel_degree > 1 else 1)
-        pad = -tokens.shape[1] % divisor
+        pad = -tokens.shape[1] % shard_divisor(self.cfg)
         if pad == 0:
             return tokens, positions, labels
         return (
