@@ -16,6 +16,7 @@ and varlen no CPU kernel.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -86,7 +87,8 @@ def init_process_group(device: str) -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    # gloo beside nccl: small bookkeeping collectives (counts, flags, objects) run on CPU tensors
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
 
 
 # ----------------------------------------------------------------------------- model
@@ -438,7 +440,7 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         length = tokens.shape[1]
         logits, labels = self._logits(tokens, positions, labels)
         logprobs, entropy = token_logprobs(
-            logits, labels, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens
+            logits, labels, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens, self.cfg.compile.enable
         )
         return logprobs[:length], entropy[:length] if entropy is not None else None
 
@@ -491,16 +493,18 @@ def _tp_group_and_vocab(logits):
     return logits, None, logits.shape[-1]
 
 
-def token_logprobs(logits, labels, temperature: float, with_entropy: bool, chunk_tokens: int):
+def token_logprobs(logits, labels, temperature: float, with_entropy: bool, chunk_tokens: int,
+                   compile_: bool = False):
     """log p(label) and entropy per token, fp32 only one chunk of tokens at a time."""
     if isinstance(labels, DTensor):
         labels = labels.full_tensor()
     local_logits, tp_group, vocab = _tp_group_and_vocab(logits)
     local_logits, labels = local_logits.flatten(0, 1), labels.flatten()
     logprob_chunks, entropy_chunks = [], []
-    for start in range(0, labels.numel(), chunk_tokens):
-        args = (local_logits[start:start + chunk_tokens], labels[start:start + chunk_tokens])
-        fn = lambda x, y: _chunk_logprobs(x, y, temperature, tp_group, vocab, with_entropy)  # noqa: E731
+    chunk_fn = _compiled_local_logprobs() if compile_ and tp_group is None else _chunk_logprobs
+    fn = lambda x, y: chunk_fn(x, y, temperature, tp_group, vocab, with_entropy)  # noqa: E731
+    # split (not slicing): its backward concatenates chunk grads instead of adding full-size zeros
+    for args in zip(local_logits.split(chunk_tokens), labels.split(chunk_tokens)):
         if torch.is_grad_enabled():  # recompute the fp32 chunk in backward instead of keeping it
             logprob, entropy = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
@@ -516,11 +520,19 @@ def _chunk_logprobs(logits, labels, temperature, tp_group, vocab, with_entropy):
 
     logits = logits.float() / temperature
     if tp_group is None:
-        nll = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
-    else:
-        nll = _LossParallelCrossEntropy.apply(logits, labels, tp_group, vocab, "none")
+        logp = torch.log_softmax(logits, dim=-1)  # one normalisation for both outputs
+        logprob = logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0].masked_fill(labels == IGNORE_INDEX, 0.0)
+        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros(())
+        return logprob, entropy
+    nll = _LossParallelCrossEntropy.apply(logits, labels, tp_group, vocab, "none")
     entropy = _entropy(logits, tp_group) if with_entropy else torch.zeros(())
     return -nll, entropy
+
+
+@functools.cache
+def _compiled_local_logprobs():
+    """_chunk_logprobs compiled (no TP): fuses the fp32 upcast, softmax, gather and entropy."""
+    return torch.compile(_chunk_logprobs, dynamic=True)
 
 
 def _entropy(logits, tp_group):

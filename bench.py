@@ -1,0 +1,323 @@
+"""Benchmark on one GPU: actor update, log-prob pass, weight export and native rollout (Qwen3-0.6B shapes).
+
+    python bench.py --out bench.json              # the table in README (one GPU, random init, bf16)
+    python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
+
+Sequences look like GSM8K rollouts of Qwen3-0.6B (prompt ~130 tokens, response ~180 with 15% cut
+at 256). One "step" is a verl mini-batch (64 prompts x 5 responses) through `forward_backward_batch`
+with the GRPO loss, then clip + AdamW. MFU counts 6*N*T + 6*layers*heads*head_dim*sum(len^2)
+(causal attention, fwd + bwd) against the GPU's bf16 dense peak (989 TFLOP/s on H100/H200). The HF
+baseline runs the same sequences, grouped into the same micro-batches but padded, through
+transformers' Qwen3ForCausalLM (sdpa, bf16 autocast over fp32 weights) with the same loss.
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from config import Config, validate
+from engine import TorchTitanEngineWithLMHead
+from loop import Sample, actor_flops, forward_backward_batch, grpo_loss_fn, pack_micro_batches
+
+QWEN3_0P6B = dict(  # Qwen/Qwen3-0.6B config.json (shapes only; weights are random)
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643,
+)
+TINY = dict(QWEN3_0P6B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def write_model_dir(hf_config: dict, path: str) -> str:
+    """config.json plus a small word-level tokenizer (the Trainer wants one; the bench uses ids only)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    from tiny import save_digit_tokenizer
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    save_digit_tokenizer(path)
+    return path
+
+
+def gsm8k_like_samples(count: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """Random-token samples with GSM8K-rollout-like prompt/response lengths and random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(count):
+        prompt = int(torch.normal(130.0, 40.0, (1,), generator=g).clamp(50, 512))
+        clipped = torch.rand(1, generator=g).item() < 0.15
+        response = 256 if clipped else int(torch.normal(170.0, 50.0, (1,), generator=g).clamp(20, 255))
+        tokens = torch.randint(0, vocab, (prompt + response,), generator=g).tolist()
+        samples.append(Sample(tokens[:prompt], tokens[prompt:], [0.0] * response, float(torch.randn(1, generator=g))))
+    return samples
+
+
+def bench_config(model_dir: str, out_dir: str, attn: str, compile_: bool, ac: str, budget: int, device: str) -> Config:
+    cfg = Config()
+    cfg.model.path, cfg.model.random_init, cfg.model.attn_type = model_dir, True, attn
+    cfg.model.dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg.compile.enable, cfg.activation_checkpoint.mode = compile_, ac
+    cfg.actor.max_tokens_per_micro_batch = budget
+    cfg.trainer.output_dir, cfg.trainer.device = out_dir, device
+    validate(cfg, 1)
+    return cfg
+
+
+class Timer:
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        self._sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *_):
+        self._sync()
+        self.seconds = time.perf_counter() - self.start
+
+    def _sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def peak_memory_gb(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+
+
+def reset_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_flops(device: str) -> float:
+    from torchtitan.tools.utils import get_peak_flops
+
+    return get_peak_flops(torch.cuda.get_device_name()) if device == "cuda" else float("nan")
+
+
+def time_update(engine, cfg, samples, warmup: int, steps: int, device: str) -> float:
+    """Seconds per actor update (fwd + bwd + clip + AdamW) over `samples`, after warm-up steps."""
+    tokens = float(sum(len(s.response_ids) for s in samples))
+    loss_fn = grpo_loss_fn(cfg, tokens, float(len(samples)))
+    times = []
+    for i in range(warmup + steps):
+        with Timer(device) as t, engine.train_mode():
+            forward_backward_batch(engine, samples, loss_fn, False, cfg.rollout.temperature, with_entropy=True)
+            engine.optimizer_step()
+        if i >= warmup:
+            times.append(t.seconds)
+    return sum(times) / len(times)
+
+
+def run_engine_case(case: dict, model_dir: str, samples, args, extras: bool) -> dict:
+    """One torchtitan configuration: update time, tokens/s, MFU, peak memory (+ log-prob, export, rollout)."""
+    reset_memory(args.device)
+    out_dir = tempfile.mkdtemp(prefix="bench_")
+    cfg = bench_config(model_dir, out_dir, case["attn"], case["compile"], case["ac"], case["budget"], args.device)
+    engine = TorchTitanEngineWithLMHead(cfg)
+    tokens = sum(len(s.tokens) for s in samples)
+    warmup = 2 if case["compile"] else 1
+    seconds = time_update(engine, cfg, samples, warmup, args.steps, args.device)
+    flops = actor_flops(engine, [len(s.tokens) for s in samples])
+    row = dict(case, seconds=seconds, tokens_per_s=tokens / seconds,
+               mfu=flops / seconds / peak_flops(args.device), peak_memory_gb=peak_memory_gb(args.device))
+    if args.profile and extras:
+        row["profile"] = profile_update(engine, cfg, samples, args.device)
+    if extras:
+        try:
+            row.update(extra_measurements(engine, cfg, samples, args))
+        except Exception as error:
+            row["extras_error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    del engine
+    return row
+
+
+def profile_update(engine, cfg, samples, device: str) -> str:
+    """Top CUDA kernels of one update (torch.profiler), as a printed table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time_update(engine, cfg, samples, 0, 1, device)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total", row_limit=25)
+    print(table, flush=True)
+    return table
+
+
+def extra_measurements(engine, cfg, samples, args) -> dict:
+    """Log-prob forward alone, weight export, native rollout tokens/s, on the given engine."""
+    from rollout import NativeRollout
+
+    tokens = sum(len(s.tokens) for s in samples)
+    forward_backward_batch(engine, samples, None, True, cfg.rollout.temperature)
+    with Timer(args.device) as t:
+        forward_backward_batch(engine, samples, None, True, cfg.rollout.temperature)
+    result = {"logprob_tokens_per_s": tokens / t.seconds}
+    with Timer(args.device) as t:
+        exported = sum(tensor.numel() * tensor.element_size() for _, tensor in engine.export_hf_weights())
+    result.update(export_seconds=t.seconds, export_gb=exported / 2**30)
+    cfg.data.max_response_length = args.rollout_tokens
+    sampler = NativeRollout(cfg, engine, eos_token_ids=[-1])  # no EOS: every response runs to the limit
+    prompts = [s.prompt_ids for s in samples[: args.rollout_prompts]]
+    with Timer(args.device) as t:
+        rollout = sampler.generate(prompts, n=1, seed=0)
+    generated = sum(len(r) for r in rollout.response_ids)
+    result.update(native_rollout_tokens_per_s=generated / t.seconds,
+                  native_rollout_shape=f"{len(prompts)} prompts x {args.rollout_tokens} tokens")
+    return result
+
+
+def hf_update_seconds(hf_config: dict, samples, budget: int, warmup: int, steps: int, device: str,
+                      gradient_checkpointing: bool) -> tuple[float, float]:
+    """Seconds per update and peak memory of HF Qwen3ForCausalLM (sdpa) on the same micro-batches, padded."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import grpo
+
+    reset_memory(device)
+    cfg = Config()
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**hf_config, attn_implementation="sdpa"))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, foreach=True)
+    groups = pack_micro_batches([len(s.tokens) for s in samples], budget)
+    global_tokens = float(sum(len(s.response_ids) for s in samples))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    times = []
+    for i in range(warmup + steps):
+        with Timer(device) as t:
+            for group in groups:
+                loss = _hf_micro_batch_loss(model, [samples[j] for j in group], global_tokens, cfg, dtype, device, grpo)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(t.seconds)
+    memory = peak_memory_gb(device)
+    del model, optimizer
+    return sum(times) / len(times), memory
+
+
+def _hf_micro_batch_loss(model, members, global_tokens, cfg, dtype, device, grpo):
+    longest = max(len(s.tokens) for s in members)
+    ids = torch.zeros(len(members), longest, dtype=torch.long)
+    mask = torch.zeros(len(members), longest, dtype=torch.long)
+    labels = torch.full((len(members), longest), -100)
+    for row, s in enumerate(members):
+        ids[row, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[row, : len(s.tokens)] = 1
+        labels[row] = torch.nn.functional.pad(s.labels(), (0, longest - len(s.tokens)), value=-100)
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+    with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    logp = torch.log_softmax(logits.float() / cfg.rollout.temperature, dim=-1)
+    valid = labels != -100
+    current = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0][valid]
+    entropy = -(logp.exp() * logp).sum(-1)[valid]
+    advantages = torch.cat([torch.full((len(s.response_ids),), s.advantage) for s in members]).to(device)
+    weights = torch.full_like(current, 1.0 / global_tokens)
+    loss, _ = grpo.grpo_token_loss(current, current.detach(), advantages, weights, cfg.algorithm, entropy)
+    return loss
+
+
+def cases(quick: bool, device: str) -> list[dict]:
+    """The configurations measured, most important first (a timeout keeps the first rows)."""
+    if quick:
+        return [dict(attn="sdpa", compile=False, ac="none", budget=2048),
+                dict(attn="sdpa", compile=False, ac="selective", budget=2048)]
+    rows = [dict(attn="flex", compile=c, ac=a, budget=16384) for c in (True, False) for a in ("none", "selective", "full")]
+    rows += [dict(attn="flex", compile=True, ac="none", budget=b) for b in (8192, 32768)]
+    rows += [dict(attn="varlen", compile=True, ac="none", budget=16384),
+             dict(attn="flex_flash", compile=True, ac="none", budget=16384)]
+    return rows
+
+
+def print_table(rows: list[dict], hf: dict) -> None:
+    print(f"\n{'attn':<11}{'compile':<8}{'AC':<10}{'budget':>7}{'tok/s':>10}{'MFU':>7}{'x HF':>6}{'mem GB':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['attn']:<11}{str(r['compile']):<8}{r['ac']:<10}{r['budget']:>7}  error: {r['error'][:80]}")
+            continue
+        ratio = r["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else float("nan")
+        print(f"{r['attn']:<11}{str(r['compile']):<8}{r['ac']:<10}{r['budget']:>7}{r['tokens_per_s']:>10.0f}"
+              f"{r['mfu']:>7.1%}{ratio:>6.2f}{r['peak_memory_gb']:>8.1f}")
+    if hf.get("tokens_per_s"):
+        print(f"{'HF sdpa':<11}{'-':<8}{'none':<10}{hf['budget']:>7}{hf['tokens_per_s']:>10.0f}{hf['mfu']:>7.1%}"
+              f"{1.0:>6.2f}{hf['peak_memory_gb']:>8.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench.json")
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--steps", type=int, default=3, help="timed updates per configuration")
+    parser.add_argument("--sequences", type=int, default=320, help="sequences per update (64 prompts x 5)")
+    parser.add_argument("--rollout-prompts", type=int, default=64)
+    parser.add_argument("--rollout-tokens", type=int, default=128)
+    parser.add_argument("--cases", default=None, help="comma-separated indices of the configurations to run")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one update per case")
+    parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
+    args = parser.parse_args()
+    args.device = "cpu" if args.quick else "cuda"
+    if args.quick:
+        from engine import init_process_group, use_cpu_device
+
+        use_cpu_device()
+        init_process_group("cpu")
+        args.sequences, args.steps, args.rollout_prompts, args.rollout_tokens = 8, 1, 2, 4
+    hf_config = TINY if args.quick else QWEN3_0P6B
+    model_dir = write_model_dir(hf_config, tempfile.mkdtemp(prefix="bench_model_"))
+    samples = gsm8k_like_samples(args.sequences, hf_config["vocab_size"])
+    tokens = sum(len(s.tokens) for s in samples)
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "torch": torch.__version__, "sequences": len(samples), "tokens_per_update": tokens,
+              "peak_tflops": peak_flops(args.device) / 1e12, "rows": [], "hf": {}}
+    print(f"{report['device']}: {len(samples)} sequences, {tokens} tokens per update", flush=True)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    if args.hf_json:
+        with open(args.hf_json) as f:
+            report["hf"] = json.load(f)["hf"]
+    else:
+        budget = 2048 if args.quick else 16384
+        seconds, memory = hf_update_seconds(hf_config, samples, budget, 1, args.steps, args.device, False)
+        report["hf"] = dict(budget=budget, seconds=seconds, tokens_per_s=tokens / seconds, peak_memory_gb=memory)
+    save()
+    hf_flops = None
+    all_cases = cases(args.quick, args.device)
+    chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(all_cases))
+    for index in chosen:
+        case = all_cases[index]
+        try:
+            row = run_engine_case(case, model_dir, samples, args, extras=index == chosen[0])
+        except Exception as error:  # a backend missing on this machine: report it, keep measuring
+            row = dict(case, error=f"{type(error).__name__}: {error}".splitlines()[0])
+        if hf_flops is None and "seconds" in row:
+            hf_flops = row["mfu"] * row["seconds"]  # same sequences: same useful FLOPs
+            report["hf"].setdefault("mfu", hf_flops / report["hf"]["seconds"])
+        report["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        save()
+    report["hf"].setdefault("mfu", float("nan"))
+    print_table(report["rows"], report["hf"])
+    save()
+
+
+if __name__ == "__main__":
+    main()
