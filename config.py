@@ -185,8 +185,12 @@ def resolve_spmd_backend(cfg: Config) -> str:
     """spmd_types on torch >= 2.14, partial_dtensor before (spmd_types needs 2.14)."""
     if cfg.parallelism.spmd_backend != "auto":
         return cfg.parallelism.spmd_backend
+    return "spmd_types" if _torch_version() >= (2, 14) else "partial_dtensor"
+
+
+def _torch_version() -> tuple[int, int]:
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return "spmd_types" if (major, minor) >= (2, 14) else "partial_dtensor"
+    return major, minor
 
 
 def dp_shard_degree(p: ParallelismConfig, world_size: int) -> int:
@@ -227,7 +231,7 @@ def validate(cfg: Config, world_size: int) -> None:
         )
     if p.spmd_backend not in SPMD_BACKENDS + ("auto",):
         raise ValueError(f"parallelism.spmd_backend={p.spmd_backend!r} is unknown; use auto or one of {SPMD_BACKENDS}")
-    if resolve_spmd_backend(cfg) == "spmd_types" and torch.__version__ < "2.14":
+    if resolve_spmd_backend(cfg) == "spmd_types" and _torch_version() < (2, 14):
         raise ValueError(
             f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
             "use --parallelism.spmd_backend partial_dtensor"

@@ -210,7 +210,6 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     )
     from torchtitan.config.configs import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-    from torchtitan.models.qwen3 import parallelize_qwen3
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
@@ -223,7 +222,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     )
     return Trainer.Config(
         model_spec=ModelSpec(
-            name="qwen3", flavor="hf", model=model, parallelize_fn=parallelize_qwen3, pipelining_fn=None,
+            name="qwen3", flavor="hf", model=model, parallelize_fn=_parallelize_keeping_tied_head, pipelining_fn=None,
             post_optimizer_build_fn=register_moe_load_balancing_hook, state_dict_adapter=Qwen3StateDictAdapter,
         ),
         hf_assets_path=model_dir,
@@ -263,6 +262,27 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
         compile=CompileConfig(enable=cfg.compile.enable, components=["model"]),
         debug=DebugConfig(seed=cfg.trainer.seed, enable_structured_logging=False),
     )
+
+
+def _parallelize_keeping_tied_head(model, **kwargs):
+    """torchtitan's parallelize_qwen3, re-tying lm_head and embedding between TP and FSDP.
+
+    TP distributes the two modules' weights separately, which unties them; FSDP then keeps
+    two sharded copies and the embedding trains on a stale one (seen: FSDP=2 x TP=2 step 2 off).
+    Both are Shard(0) over the vocab under TP, so one parameter serves both.
+    """
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    if model.enable_weight_tying:
+        tensor_parallelize = model.parallelize
+
+        def parallelize_then_retie(*args, **kw):
+            result = tensor_parallelize(*args, **kw)
+            model.tok_embeddings.weight = model.lm_head.weight
+            return result
+
+        model.parallelize = parallelize_then_retie
+    return parallelize_qwen3(model, **kwargs)
 
 
 def shard_divisor(cfg: Config) -> int:
@@ -359,6 +379,11 @@ class TorchTitanEngine:
             yield
         self.model.train()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() inside torchtitan's SPMD context, as its Trainer does (spmd_types needs the mesh)."""
+        with self.trainer.train_context():
+            loss.backward()
+
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip grads, step the optimizer unless the norm is non-finite; returns (grad_norm, stepped)."""
         from torchtitan.distributed import utils as dist_utils
@@ -438,17 +463,17 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         the document mask. Returns (logprobs [T], entropy [T] or None), float32.
         """
         length = tokens.shape[1]
-        logits, labels = self._logits(tokens, positions, labels)
+        logits, tp_group, vocab, labels = self._logits(tokens, positions, labels)
         logprobs, entropy = token_logprobs(
-            logits, labels, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens, self.cfg.compile.enable
+            logits, labels, tp_group, vocab, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens,
+            self.cfg.compile.enable,
         )
         return logprobs[:length], entropy[:length] if entropy is not None else None
 
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits [T, V] of a packed [1, T] batch (gathered over TP); for sampling."""
         length = tokens.shape[1]
-        logits, _ = self._logits(tokens, positions, torch.full_like(tokens, IGNORE_INDEX))
-        local, tp_group, _ = _tp_group_and_vocab(logits)
+        local, tp_group, _, _ = self._logits(tokens, positions, torch.full_like(tokens, IGNORE_INDEX))
         if tp_group is not None:
             shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(shards, local.contiguous(), group=tp_group)
@@ -456,11 +481,14 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         return local[0, :length]
 
     def _logits(self, tokens, positions, labels):
+        """(local logits [1, T, V or V/tp], TP group or None, full vocab size, labels [1, T])."""
         tokens, positions, labels = self._pad_for_sharding(tokens, positions, labels)
         input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
         inputs, labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels.to(self.device))
-        with self.trainer.train_context():
-            return self.model(inputs, **kwargs), labels
+        if isinstance(labels, DTensor):
+            labels = labels.full_tensor()
+        with self.trainer.train_context():  # spmd_types knows the TP mesh only inside it
+            return (*_tp_group_and_vocab(self.model(inputs, **kwargs)), labels)
 
     def _pad_for_sharding(self, tokens, positions, labels):
         """Pad the packed length to a multiple of what sequence / context parallel split by."""
@@ -493,12 +521,9 @@ def _tp_group_and_vocab(logits):
     return logits, None, logits.shape[-1]
 
 
-def token_logprobs(logits, labels, temperature: float, with_entropy: bool, chunk_tokens: int,
-                   compile_: bool = False):
-    """log p(label) and entropy per token, fp32 only one chunk of tokens at a time."""
-    if isinstance(labels, DTensor):
-        labels = labels.full_tensor()
-    local_logits, tp_group, vocab = _tp_group_and_vocab(logits)
+def token_logprobs(local_logits, labels, tp_group, vocab: int, temperature: float, with_entropy: bool,
+                   chunk_tokens: int, compile_: bool = False):
+    """log p(label) and entropy per token, fp32 only one chunk of tokens at a time (vocab split over tp_group)."""
     local_logits, labels = local_logits.flatten(0, 1), labels.flatten()
     logprob_chunks, entropy_chunks = [], []
     chunk_fn = _compiled_local_logprobs() if compile_ and tp_group is None else _chunk_logprobs

@@ -141,7 +141,7 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only:
             loss, mb_metrics = loss_fn([samples[i] for i in group], per_sample[:len(group)],
                                        per_entropy[:len(group)], dummy=not group, anchor=logprobs)
             if not forward_only:
-                loss.backward()
+                engine.backward(loss)
             for key, value in mb_metrics.items():
                 metrics[key] += float(value)
     return logprobs_out, metrics

@@ -50,7 +50,7 @@ def main():
             for micro in (mine[: len(mine) // 2], mine[len(mine) // 2:]):  # two micro-batches per rank
                 logprobs, entropy = engine.forward(*packed(micro), temperature=0.9, with_entropy=True)
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
-                loss.backward()
+                engine.backward(loss)
                 loss_sum += loss.detach()
             result["loss"].append(engine.dp_sum(loss_sum).item())
             grad_norm, _ = engine.optimizer_step()

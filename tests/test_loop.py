@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -45,34 +46,48 @@ def train(model_dir, data, out, steps, *extra, port=29581):
         return [json.loads(line) for line in f]
 
 
-def test_gradient_is_independent_of_micro_batching(model_dir):
-    code = f"""
-import sys, torch
-sys.path[:0] = [{ROOT!r}, {HERE!r}]
+GRADIENT_WORKER = """
+import os, sys, torch
+sys.path[:0] = [{root!r}, {here!r}]
 from config import parse_cli
 from engine import TorchTitanEngineWithLMHead
 from loop import Sample, forward_backward_batch, grpo_loss_fn
+out, budget = sys.argv[1], int(sys.argv[2])
 cfg = parse_cli(["--model.path", {model_dir!r}, "--model.attn_type", "sdpa", "--model.dtype", "float32",
-                 "--trainer.device", "cpu", "--trainer.output_dir", "/tmp/titan_grpo_mb", "--algorithm.loss_agg_mode",
-                 "seq-mean-token-mean"])
+                 "--trainer.device", "cpu", "--trainer.output_dir", out + "_run", "--algorithm.loss_agg_mode",
+                 "seq-mean-token-mean", "--actor.max_tokens_per_micro_batch", str(budget)])
 engine = TorchTitanEngineWithLMHead(cfg)
 g = torch.Generator().manual_seed(0)
 samples = [Sample(torch.randint(0, 40, (5,), generator=g).tolist(), torch.randint(0, 40, (int(n),), generator=g).tolist(),
                   [0.0] * int(n), float(torch.randn(1, generator=g))) for n in torch.randint(2, 9, (8,), generator=g)]
-tokens = sum(len(s.response_ids) for s in samples)
-grads = []
-for budget in (4096, 14):  # one micro-batch vs one sequence each
-    cfg.actor.max_tokens_per_micro_batch = budget
-    with engine.train_mode():
-        _, metrics = forward_backward_batch(engine, samples, grpo_loss_fn(cfg, tokens, len(samples)), False, 1.0)
-        grads.append(torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()]))
-print("DIFF", (grads[0] - grads[1]).abs().max().item(), grads[0].abs().max().item())
+tokens = sum(len(s.response_ids) for s in samples)  # global counts, as update_actor sums them over DP
+mine = samples[engine.dp_rank::engine.dp_size]
+with engine.train_mode():
+    _, metrics = forward_backward_batch(engine, mine, grpo_loss_fn(cfg, tokens, len(samples)), False, 1.0)
+    grad = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])
+loss = engine.dp_sum(torch.tensor([metrics["actor/pg_loss"]])).item()
+if engine.dp_rank == 0:
+    torch.save({{"grad": grad, "pg_loss": loss}}, out)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "MASTER_PORT": "29591"})
-    assert result.returncode == 0, result.stderr[-4000:]
-    diff, scale = (float(x) for x in result.stdout.split("DIFF")[1].split()[:2])
-    assert scale > 1e-3 and diff < 1e-6
+
+
+def test_gradient_is_independent_of_micro_batching_and_dp(model_dir, tmp_path):
+    """One micro-batch, one sequence per micro-batch, and FSDP=2: the same gradient and loss."""
+    script = tmp_path / "grad_worker.py"
+    script.write_text(GRADIENT_WORKER.format(root=ROOT, here=HERE, model_dir=model_dir))
+    runs = {}
+    for name, nproc, budget in (("one_micro_batch", 1, 4096), ("per_sequence", 1, 14), ("fsdp2", 2, 14)):
+        out = str(tmp_path / f"{name}.pt")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+               str(29591 + nproc), str(script), out, str(budget)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[name] = torch.load(out)
+    want = runs["one_micro_batch"]
+    assert want["grad"].abs().max() > 1e-3
+    for name in ("per_sequence", "fsdp2"):
+        assert (runs[name]["grad"] - want["grad"]).abs().max() < 1e-6, name
+        assert runs[name]["pg_loss"] == pytest.approx(want["pg_loss"], rel=1e-6, abs=1e-8), name
 
 
 def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path):

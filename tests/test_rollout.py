@@ -36,7 +36,7 @@ def train_one_step():
     with engine.train_mode():
         lp, _ = engine.forward(torch.tensor([[1, 4, 6, 9, 12, 3, 5]]), torch.arange(7)[None],
                                torch.tensor([[4, 6, 9, 12, 3, 5, -100]]))
-        (-lp.sum()).backward()
+        engine.backward(-lp.sum())
         engine.optimizer_step()
 """
 
