@@ -57,6 +57,10 @@ def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path):
     pytest.importorskip("vllm")
     out = run(PRELUDE.format(root=ROOT, here=HERE, model=model_dir, out=str(tmp_path / "o"), name="vllm") + """
 rollout = sampler.generate(prompts, 3, seed=1)
+assert rollout.prompt_ids == [p for p in prompts for _ in range(3)]  # n per prompt, consecutive
+assert len(set(map(tuple, rollout.response_ids))) > 1  # sampled, not greedy
+for response, reason in zip(rollout.response_ids, rollout.finish_reasons):
+    assert 0 < len(response) <= 6 and (reason == "stop" or len(response) == 6), (response, reason)
 got, want = engine_logprobs(rollout)
 print("INIT", (got - want).abs().max().item())
 train_one_step()
