@@ -94,7 +94,7 @@ class LRSchedulerConfig:
     """torchtitan's LR schedule: linear warmup, optional decay over the last `decay_ratio` of steps."""
 
     warmup_steps: int = 0
-    decay_ratio: float | None = None  # None: constant after warmup (verl recipe)
+    decay_ratio: float | None = 0.0  # share of steps, at the end, that decay; 0: constant (verl); None: all after warmup
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     min_lr_factor: float = 0.0
 

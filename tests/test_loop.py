@@ -95,8 +95,7 @@ def test_gradient_is_independent_of_micro_batching_and_dp(model_dir, tmp_path):
 def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path, nproc):
     """One process and FSDP=2: mean reward <= 0.1 over steps 1-3, >= 0.5 over steps 41-50.
 
-    Seen (rollout.seed 7): 0.08 -> 0.77 in one process, 0.04 -> 0.77 with FSDP=2; val (greedy) 0.78
-    for both. With rollout.seed 0 FSDP=2 collapsed onto answering "2" (0.38): a 9-problem toy has
+    Seen (rollout.seed 7, constant LR): 0.078 -> 0.744 in one process, 0.044 -> 0.717 with FSDP=2. With rollout.seed 0 FSDP=2 collapsed onto answering "2" (0.38): a 9-problem toy has
     run-to-run variance, so the seed is fixed.
     """
     rows = train(model_dir, tasks, tmp_path / "learn", 50, "--data.max_response_length", "1", "--rollout.n", "16",
@@ -107,15 +106,15 @@ def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path, nproc)
     early, late = sum(scores[:3]) / 3, sum(scores[-10:]) / 10
     print(f"early {early:.3f} late {late:.3f}")
     assert len(scores) == 50 and early <= 0.1 and late >= 0.5
+    assert {r["actor/lr"] for r in rows if "actor/lr" in r} == {3e-3}  # constant LR (decay_ratio 0), as verl
 
 
 def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
+    """A run stopped after step 2 and resumed gives step 3's metrics of an uninterrupted run (rel 1e-5)."""
     straight = train(model_dir, tasks, tmp_path / "straight", 3, port=29582)
     train(model_dir, tasks, tmp_path / "resumed", 2, "--checkpoint.save_freq", "2", port=29583)
     resumed = train(model_dir, tasks, tmp_path / "resumed", 3, "--checkpoint.save_freq", "2", port=29584)
     want, got = straight[-1], resumed[-1]
     assert got["step"] == want["step"] == 3
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/entropy"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    # seen: entropy differs by ~5e-4 relative after resume (unexplained, see closing note)
-    assert got["actor/entropy"] == pytest.approx(want["actor/entropy"], rel=1e-3)
