@@ -244,6 +244,8 @@ def validate(cfg: Config, world_size: int) -> None:
             f"actor.max_tokens_per_micro_batch={cfg.actor.max_tokens_per_micro_batch} is smaller than one "
             f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}"
         )
+    if cfg.actor.enable_cpu_offload and device == "cpu":
+        raise ValueError("actor.enable_cpu_offload=True needs a GPU (FSDP offloads from GPU memory); set it False on CPU")
     if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
         raise ValueError(
             f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "

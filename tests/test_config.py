@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import parse_cli, validate  # noqa: E402
+from config import _torch_version, parse_cli, validate  # noqa: E402
 
 MODEL_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "titan_grpo_config_model")
 os.makedirs(MODEL_DIR, exist_ok=True)
@@ -25,11 +25,23 @@ GOOD = ["--model.attn_type", "sdpa", "--trainer.device", "cpu", "--model.path", 
     (["--model.path", "/no/such/dir"], 1, "does not exist"),
     (["--actor.max_tokens_per_micro_batch", "100"], 1, "smaller than one sequence"),
     (["--algorithm.loss_agg_mode", "mean"], 1, "loss_agg_mode='mean' is unknown"),
+    (["--algorithm.kl_loss_type", "k9"], 1, "kl_loss_type='k9' is unknown"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
+     "context_parallel_degree > 1"),
+    (["--data.train_batch_size", "10", "--actor.ppo_mini_batch_size", "4"], 1, "not a multiple of"),
+    (["--actor.enable_cpu_offload", "True"], 1, "enable_cpu_offload=True needs a GPU"),
+    (["--trainer.device", "cuda", "--model.attn_type", "flex_flash"], 1, "capability >= 9.0"),
 ])
 def test_bad_input_message(flags, world, message):
     cfg = parse_cli(GOOD + flags)
     with pytest.raises((ValueError, NotImplementedError), match=message.replace("(", r"\(").replace("'", ".")):
         validate(cfg, world)
+
+
+@pytest.mark.skipif(_torch_version() >= (2, 14), reason="this env has torch >= 2.14")
+def test_spmd_types_needs_torch_2_14():
+    with pytest.raises(ValueError, match="spmd_types needs torch >= 2.14"):
+        validate(parse_cli(GOOD + ["--parallelism.spmd_backend", "spmd_types"]), 1)
 
 
 def test_model_dir_without_config_json(tmp_path):
