@@ -218,11 +218,9 @@ def validate(cfg: Config, world_size: int) -> None:
             f"tensor_parallel_degree x context_parallel_degree = {mesh} != world size "
             f"{world_size}; make the product equal the number of processes"
         )
-    if p.context_parallel_degree > 1:
-        raise NotImplementedError(
-            "parallelism.context_parallel_degree > 1: gathering CP-sharded log-probs back per sequence "
-            "is not implemented yet; set it to 1"
-        )
+    if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
+        raise ValueError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
+                         "(torchtitan has no varlen CP); use flex")
     if cfg.model.attn_type not in ATTN_TYPES:
         raise ValueError(f"model.attn_type={cfg.model.attn_type!r} is unknown; use one of {ATTN_TYPES}")
     if cfg.activation_checkpoint.mode not in AC_MODES:

@@ -6,7 +6,8 @@ The Trainer is handed a no-op dataloader (the GRPO loop feeds it), the HF tokeni
 model dir, and a Qwen3 model config read from the dir's `config.json` (any size, dense or
 MoE); torchtitan's checkpointer loads the HF safetensors and writes DCP checkpoints.
 `TorchTitanEngineWithLMHead` adds the causal-LM head: per-token log-probs (and entropy)
-of packed micro-batches, with the vocab sharded under TP.
+of packed micro-batches, with the vocab sharded under TP and the tokens under CP (gathered
+back into packed order).
 
 CPU (tests, laptops): torchtitan assumes CUDA, so `use_cpu_device()` points its device
 globals at the CPU; gloo has no PREMUL_SUM, so FSDP is set to plain sum reduction; and
@@ -104,8 +105,8 @@ def _dense_mask_attention_class():
             pass
 
         def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: BlockMask, scale=None, enable_gqa=False, **_):
-            B, L = q_BLNH.shape[:2]
-            mask = create_mask(attention_masks.mask_mod, B, None, L, L, device=q_BLNH.device)
+            B, q_len, kv_len = q_BLNH.shape[0], q_BLNH.shape[1], k_BLNH.shape[1]  # CP: K/V are gathered
+            mask = create_mask(attention_masks.mask_mod, B, None, q_len, kv_len, device=q_BLNH.device)
             out = F.scaled_dot_product_attention(
                 q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
                 attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
@@ -288,7 +289,8 @@ def _parallelize_keeping_tied_head(model, **kwargs):
 def shard_divisor(cfg: Config) -> int:
     """What a packed length must be a multiple of for sequence / context parallel to split it."""
     p = cfg.parallelism
-    return p.tensor_parallel_degree * (2 * p.context_parallel_degree if p.context_parallel_degree > 1 else 1)
+    # CP shards the document BlockMask by whole 128-token blocks, two load-balanced chunks per rank
+    return p.tensor_parallel_degree * (2 * p.context_parallel_degree * 128 if p.context_parallel_degree > 1 else 1)
 
 
 def sequence_budget(cfg: Config) -> int:
@@ -468,6 +470,10 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
             logits, labels, tp_group, vocab, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens,
             self.cfg.compile.enable,
         )
+        if self.parallel_dims.cp_enabled:  # this rank holds a load-balanced share of the tokens
+            order, group = self._cp_token_order(tokens, positions), self.parallel_dims.get_mesh("cp").get_group()
+            logprobs = _GatherOverCP.apply(logprobs, order, group)
+            entropy = _GatherOverCP.apply(entropy, order, group) if entropy is not None else None
         return logprobs[:length], entropy[:length] if entropy is not None else None
 
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -490,6 +496,13 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         with self.trainer.train_context():  # spmd_types knows the TP mesh only inside it
             return (*_tp_group_and_vocab(self.model(inputs, **kwargs)), labels)
 
+    def _cp_token_order(self, tokens, positions) -> torch.Tensor:
+        """Packed-sequence index of each token this CP rank holds, in its local order."""
+        tokens, positions, index = self._pad_for_sharding(tokens, positions, torch.arange(tokens.shape[1])[None])
+        input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
+        _, index, _ = self.trainer.post_dataloading_process(input_dict, index.to(self.device))
+        return index.flatten()
+
     def _pad_for_sharding(self, tokens, positions, labels):
         """Pad the packed length to a multiple of what sequence / context parallel split by."""
         pad = -tokens.shape[1] % shard_divisor(self.cfg)
@@ -503,6 +516,27 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
 
 
 # ----------------------------------------------------------------------------- log-probs
+
+
+class _GatherOverCP(torch.autograd.Function):
+    """All-gather per-token values from CP ranks into packed order; backward keeps this rank's
+    tokens only (every CP peer computes the same loss from the gathered values)."""
+
+    @staticmethod
+    def forward(ctx, local, order, group):
+        ctx.save_for_backward(order)
+        values = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        orders = [torch.empty_like(order) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(values, local.contiguous(), group=group)
+        dist.all_gather(orders, order.contiguous(), group=group)
+        full = local.new_empty(sum(o.numel() for o in orders))
+        full[torch.cat(orders)] = torch.cat(values)
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[order], None, None
 
 
 def _tp_group_and_vocab(logits):

@@ -177,7 +177,7 @@ def rollout_samples(cfg, sampler, prompts, step, engine, tokenizer) -> tuple[lis
     """Generate n responses per prompt, score them, attach group advantages."""
     n = cfg.rollout.n
     rollout = sampler.generate([ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine))
-    rollout = share_within_tp(engine, rollout)
+    rollout = share_within_model_parallel(engine, rollout)
     texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
     truths = [truth for _, truth in prompts for _ in range(n)]
     rewards = [gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
@@ -194,14 +194,15 @@ def step_seed(cfg: Config, step: int, engine) -> int:
     return cfg.rollout.seed * 1_000_003 + step * 1009 + engine.dp_rank * 17
 
 
-def share_within_tp(engine, rollout: Rollout) -> Rollout:
-    """TP peers train on the same data: take the first peer's rollout."""
-    mesh = engine.parallel_dims.get_optional_mesh("tp")
-    if mesh is None or mesh.size() == 1:
-        return rollout
-    box = [rollout]
-    dist.broadcast_object_list(box, group_src=0, group=mesh.get_group())
-    return box[0]
+def share_within_model_parallel(engine, rollout: Rollout) -> Rollout:
+    """TP and CP peers train on the same data: take the first peer's rollout."""
+    for name in ("tp", "cp"):
+        mesh = engine.parallel_dims.get_optional_mesh(name)
+        if mesh is not None and mesh.size() > 1:
+            box = [rollout]
+            dist.broadcast_object_list(box, group_src=0, group=mesh.get_group())
+            rollout = box[0]
+    return rollout
 
 
 def compute_old_and_ref_logprobs(cfg, engine, ref_engine, samples) -> None:
@@ -337,7 +338,7 @@ def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]
     total = 0.0
     for start in range(0, len(mine), cfg.data.val_batch_size):
         chunk = mine[start:start + cfg.data.val_batch_size]
-        rollout = share_within_tp(engine, sampler.generate([ids for ids, _ in chunk], 1, greedy=True, seed=0))
+        rollout = share_within_model_parallel(engine, sampler.generate([ids for ids, _ in chunk], 1, greedy=True, seed=0))
         texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         total += sum(gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
                      for t, (_, g) in zip(texts, chunk))

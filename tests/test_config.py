@@ -26,10 +26,10 @@ GOOD = ["--model.attn_type", "sdpa", "--trainer.device", "cpu", "--model.path", 
     (["--actor.max_tokens_per_micro_batch", "100"], 1, "smaller than one sequence"),
     (["--algorithm.loss_agg_mode", "mean"], 1, "loss_agg_mode='mean' is unknown"),
     (["--algorithm.kl_loss_type", "k9"], 1, "kl_loss_type='k9' is unknown"),
-    (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
-     "context_parallel_degree > 1"),
     (["--data.train_batch_size", "10", "--actor.ppo_mini_batch_size", "4"], 1, "not a multiple of"),
     (["--actor.enable_cpu_offload", "True"], 1, "enable_cpu_offload=True needs a GPU"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+      "--model.attn_type", "varlen"], 2, "does not support attn_type=varlen"),
     (["--trainer.device", "cuda", "--model.attn_type", "flex_flash"], 1, "capability >= 9.0"),
 ])
 def test_bad_input_message(flags, world, message):

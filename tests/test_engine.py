@@ -95,6 +95,8 @@ LAYOUTS = {
     "hsdp2x1": (2, ["--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp2_cp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]),
 }
 
 

@@ -53,10 +53,10 @@ sys.path[:0] = [{root!r}, {here!r}]
 from config import parse_cli
 from engine import TorchTitanEngineWithLMHead
 from loop import Sample, forward_backward_batch, grpo_loss_fn
-out, budget = sys.argv[1], int(sys.argv[2])
+out, budget, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 cfg = parse_cli(["--model.path", {model_dir!r}, "--model.attn_type", "sdpa", "--model.dtype", "float32",
                  "--trainer.device", "cpu", "--trainer.output_dir", out + "_run", "--algorithm.loss_agg_mode",
-                 "seq-mean-token-mean", "--actor.max_tokens_per_micro_batch", str(budget)])
+                 "seq-mean-token-mean", "--actor.max_tokens_per_micro_batch", str(budget), *extra])
 engine = TorchTitanEngineWithLMHead(cfg)
 g = torch.Generator().manual_seed(0)
 samples = [Sample(torch.randint(0, 40, (5,), generator=g).tolist(), torch.randint(0, 40, (int(n),), generator=g).tolist(),
@@ -73,20 +73,22 @@ if engine.dp_rank == 0:
 
 
 def test_gradient_is_independent_of_micro_batching_and_dp(model_dir, tmp_path):
-    """One micro-batch, one sequence per micro-batch, and FSDP=2: the same gradient and loss."""
+    """One micro-batch, one sequence per micro-batch, FSDP=2 and CP=2: the same gradient and loss."""
     script = tmp_path / "grad_worker.py"
     script.write_text(GRADIENT_WORKER.format(root=ROOT, here=HERE, model_dir=model_dir))
     runs = {}
-    for name, nproc, budget in (("one_micro_batch", 1, 4096), ("per_sequence", 1, 14), ("fsdp2", 2, 14)):
+    cp2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    for name, nproc, budget, extra in (("one_micro_batch", 1, 4096, []), ("per_sequence", 1, 14, []),
+                                       ("fsdp2", 2, 14, []), ("cp2", 2, 14, cp2)):
         out = str(tmp_path / f"{name}.pt")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-               str(29591 + nproc), str(script), out, str(budget)]
+               str(29591 + nproc), str(script), out, str(budget), *extra]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = torch.load(out)
     want = runs["one_micro_batch"]
     assert want["grad"].abs().max() > 1e-3
-    for name in ("per_sequence", "fsdp2"):
+    for name in ("per_sequence", "fsdp2", "cp2"):
         assert (runs[name]["grad"] - want["grad"]).abs().max() < 1e-6, name
         assert runs[name]["pg_loss"] == pytest.approx(want["pg_loss"], rel=1e-6, abs=1e-8), name
 
