@@ -97,6 +97,8 @@ LAYOUTS = {
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp2_cp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]),
+    "tp2_cp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2"]),
 }
 
 
