@@ -452,6 +452,13 @@ class TorchTitanEngine:
             yield "lm_head.weight", tied_embedding  # vLLM needs it even for tied models
 
 
+def pack(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and positions [1, T] of sequences packed back to back (positions restart per sequence)."""
+    tokens = torch.tensor([t for s in sequences for t in s])[None]
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    return tokens, positions
+
+
 class TorchTitanEngineWithLMHead(TorchTitanEngine):
     """Adds causal-LM log-probs: `forward(tokens, positions, labels)` on packed micro-batches."""
 
@@ -465,43 +472,54 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         the document mask. Returns (logprobs [T], entropy [T] or None), float32.
         """
         length = tokens.shape[1]
-        logits, tp_group, vocab, labels = self._logits(tokens, positions, labels)
+        logits, tp_group, vocab, labels, cp_order = self._logits(tokens, positions, labels)
         logprobs, entropy = token_logprobs(
             logits, labels, tp_group, vocab, temperature, with_entropy, self.cfg.actor.logprob_chunk_tokens,
             self.cfg.compile.enable,
         )
-        if self.parallel_dims.cp_enabled:  # this rank holds a load-balanced share of the tokens
-            order, group = self._cp_token_order(tokens, positions), self.parallel_dims.get_mesh("cp").get_group()
-            logprobs = _GatherOverCP.apply(logprobs, order, group)
-            entropy = _GatherOverCP.apply(entropy, order, group) if entropy is not None else None
+        if cp_order is not None:  # this rank holds a load-balanced share of the tokens
+            logprobs = self._gather_over_cp(logprobs, cp_order)
+            entropy = self._gather_over_cp(entropy, cp_order) if entropy is not None else None
         return logprobs[:length], entropy[:length] if entropy is not None else None
 
     def full_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits [T, V] of a packed [1, T] batch (gathered over TP); for sampling."""
+        """Full-vocab logits [T, V] of a packed [1, T] batch (gathered over TP and CP); for sampling."""
         length = tokens.shape[1]
-        local, tp_group, _, _ = self._logits(tokens, positions, torch.full_like(tokens, IGNORE_INDEX))
+        local, tp_group, _, _, cp_order = self._logits(tokens, positions, torch.full_like(tokens, IGNORE_INDEX))
         if tp_group is not None:
             shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(shards, local.contiguous(), group=tp_group)
             local = torch.cat(shards, dim=-1)
-        return local[0, :length]
+        local = local[0]
+        if cp_order is not None:
+            local = self._gather_over_cp(local, cp_order)
+        return local[:length]
 
     def _logits(self, tokens, positions, labels):
-        """(local logits [1, T, V or V/tp], TP group or None, full vocab size, labels [1, T])."""
+        """(local logits [1, T', V or V/tp], TP group or None, full vocab size, labels [1, T'], CP order or None).
+
+        Under CP, T' is this rank's share of the tokens and the CP order holds their packed indices.
+        """
         tokens, positions, labels = self._pad_for_sharding(tokens, positions, labels)
         input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
+        cp_order = self._cp_order(tokens.shape[1]) if self.parallel_dims.cp_enabled else None
         inputs, labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels.to(self.device))
         if isinstance(labels, DTensor):
             labels = labels.full_tensor()
         with self.trainer.train_context():  # spmd_types knows the TP mesh only inside it
-            return (*_tp_group_and_vocab(self.model(inputs, **kwargs)), labels)
+            return (*_tp_group_and_vocab(self.model(inputs, **kwargs)), labels, cp_order)
 
-    def _cp_token_order(self, tokens, positions) -> torch.Tensor:
-        """Packed-sequence index of each token this CP rank holds, in its local order."""
-        tokens, positions, index = self._pad_for_sharding(tokens, positions, torch.arange(tokens.shape[1])[None])
-        input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
-        _, index, _ = self.trainer.post_dataloading_process(input_dict, index.to(self.device))
+    def _cp_order(self, length: int) -> torch.Tensor:
+        """Packed index of each token this CP rank holds, sharded as post_dataloading_process shards inputs."""
+        from torchtitan.distributed.context_parallel import cp_shard
+
+        index = torch.arange(length, device=self.device)[None]
+        balancer = self.trainer.config.parallelism.context_parallel_load_balancer
+        (index,), _ = cp_shard(self.parallel_dims.get_mesh("cp"), (index,), None, balancer)
         return index.flatten()
+
+    def _gather_over_cp(self, local: torch.Tensor, cp_order: torch.Tensor) -> torch.Tensor:
+        return _GatherOverCP.apply(local, cp_order, self.parallel_dims.get_mesh("cp").get_group())
 
     def _pad_for_sharding(self, tokens, positions, labels):
         """Pad the packed length to a multiple of what sequence / context parallel split by."""
@@ -519,8 +537,8 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
 
 
 class _GatherOverCP(torch.autograd.Function):
-    """All-gather per-token values from CP ranks into packed order; backward keeps this rank's
-    tokens only (every CP peer computes the same loss from the gathered values)."""
+    """All-gather per-token values (dim 0) from CP ranks into packed order; backward keeps this
+    rank's tokens only (every CP peer computes the same loss from the gathered values)."""
 
     @staticmethod
     def forward(ctx, local, order, group):
@@ -529,7 +547,7 @@ class _GatherOverCP(torch.autograd.Function):
         orders = [torch.empty_like(order) for _ in range(dist.get_world_size(group))]
         dist.all_gather(values, local.contiguous(), group=group)
         dist.all_gather(orders, order.contiguous(), group=group)
-        full = local.new_empty(sum(o.numel() for o in orders))
+        full = local.new_empty((sum(o.numel() for o in orders), *local.shape[1:]))
         full[torch.cat(orders)] = torch.cat(values)
         return full
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import gsm8k
 import grpo
 from config import Config, parse_cli, validate
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack
 from rollout import Rollout, build_rollout
 
 
@@ -112,7 +112,7 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only:
     Every DP rank runs the same number of micro-batches (empty ones padded in), as FSDP
     needs. `loss_fn(samples, logprobs_per_sample, entropy_per_sample)` returns
     (loss, metrics); losses must already be normalised by global counts. Returns the
-    per-sample log-probs of response tokens and the summed metrics.
+    per-sample log-probs of response tokens (forward_only; else None each) and the summed metrics.
     """
     groups = pack_micro_batches([len(s.tokens) for s in samples], engine.cfg.actor.max_tokens_per_micro_batch)
     count = torch.tensor([float(len(groups))])
@@ -124,8 +124,7 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only:
     with context:
         for group in groups:
             members = [samples[i] for i in group] or [Sample([0, 0], [], [])]
-            tokens = torch.tensor([t for s in members for t in s.tokens])[None]
-            positions = torch.cat([torch.arange(len(s.tokens)) for s in members])[None]
+            tokens, positions = pack([s.tokens for s in members])
             labels = torch.cat([s.labels() for s in members])[None]
             logprobs, entropy = engine.forward(tokens, positions, labels, temperature, with_entropy)
             per_sample, per_entropy, offset = [], [], 0
@@ -134,8 +133,9 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only:
                 per_sample.append(logprobs[window])
                 per_entropy.append(entropy[window] if entropy is not None else None)
                 offset += len(s.tokens)
-            for i, lp in zip(group, per_sample):
-                logprobs_out[i] = lp.detach().cpu()
+            if forward_only:  # the update does not need them: no device sync per sample
+                for i, lp in zip(group, per_sample):
+                    logprobs_out[i] = lp.detach().cpu()
             if loss_fn is None:
                 continue
             loss, mb_metrics = loss_fn([samples[i] for i in group], per_sample[:len(group)],
@@ -143,8 +143,8 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only:
             if not forward_only:
                 engine.backward(loss)
             for key, value in mb_metrics.items():
-                metrics[key] += float(value)
-    return logprobs_out, metrics
+                metrics[key] += value.detach()  # stays on the device until the end
+    return logprobs_out, {key: float(value) for key, value in metrics.items()}
 
 
 def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):

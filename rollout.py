@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config
+from engine import pack
 
 
 @dataclass
@@ -151,8 +152,7 @@ class NativeRollout:
         return active.item() > 0
 
     def _next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        tokens = torch.tensor([t for s in sequences for t in s])[None]
-        positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+        tokens, positions = pack(sequences)
         last = torch.tensor([len(s) for s in sequences]).cumsum(0) - 1
         with self.engine.eval_mode():
             logits = self.engine.full_logits(tokens, positions)

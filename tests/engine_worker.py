@@ -13,7 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import parse_cli  # noqa: E402
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead  # noqa: E402
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack  # noqa: E402
 
 
 ENTROPY_COEF = float(os.environ.get("ENTROPY_COEF", "0.1"))
@@ -26,8 +26,7 @@ def fixed_batch(vocab: int, seed: int = 0):
 
 
 def packed(seqs):
-    tokens = torch.cat(seqs)[None]
-    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    tokens, positions = pack([s.tolist() for s in seqs])
     labels = torch.cat([torch.cat([s[1:], torch.tensor([IGNORE_INDEX])]) for s in seqs])[None]
     return tokens, positions, labels
 
@@ -57,6 +56,7 @@ def main():
             result["grad_norm"].append(grad_norm)
     with engine.eval_mode():
         result["logprobs"] = engine.forward(*packed(seqs), temperature=0.9)[0].cpu()
+        result["full_logits"] = engine.full_logits(*packed(seqs)[:2]).float().cpu()
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights

@@ -109,6 +109,7 @@ def test_parallel_layout_matches_one_process(layout, backend, dense_dir, referen
     assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
     assert torch.allclose(got["logprobs"], reference["logprobs"], atol=1e-4)
+    assert torch.allclose(got["full_logits"], reference["full_logits"], atol=1e-3)  # native sampler's input
     assert set(got["weights"]) == set(reference["weights"])
     for name, tensor in reference["weights"].items():
         assert torch.allclose(got["weights"][name], tensor, atol=5e-4), name
