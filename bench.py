@@ -133,7 +133,7 @@ def run_engine_case(case: dict, model_dir: str, samples, args, extras: bool) -> 
     row = dict(case, seconds=seconds, tokens_per_s=tokens / seconds,
                mfu=flops / seconds / peak_flops(args.device), peak_memory_gb=peak_memory_gb(args.device))
     if args.profile and extras:
-        row["profile"] = profile_update(engine, cfg, samples, args.device)
+        row["profile"] = profile_update(engine, cfg, samples, args)
     if extras:
         try:
             row.update(extra_measurements(engine, cfg, samples, args))
@@ -143,15 +143,56 @@ def run_engine_case(case: dict, model_dir: str, samples, args, extras: bool) -> 
     return row
 
 
-def profile_update(engine, cfg, samples, device: str) -> str:
-    """Top CUDA kernels of one update (torch.profiler), as a printed table."""
+def profile_update(engine, cfg, samples, args) -> dict:
+    """One profiled update: top kernels, GPU-busy fraction, host syncs; the trace goes to --trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        time_update(engine, cfg, samples, 0, 1, device)
-    table = prof.key_averages().table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total", row_limit=25)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds = time_update(engine, cfg, samples, 0, 1, args.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if args.device == "cuda" else "cpu_time_total",
+                                      row_limit=25)
     print(table, flush=True)
-    return table
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    busy = _busy_seconds([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+    return {"table": table, "update_seconds": seconds, "gpu_busy_seconds": busy,
+            "host_syncs": host_syncs(engine, cfg, samples, args.device)}
+
+
+def _busy_seconds(kernels) -> float:
+    """Length of the union of the kernels' time intervals."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((k.time_range.start, k.time_range.end) for k in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e6
+
+
+def host_syncs(engine, cfg, samples, device: str) -> dict[str, int]:
+    """Where one update makes the host wait for the GPU (torch.cuda sync debug mode), by project call site."""
+    import collections
+    import traceback
+    import warnings
+
+    if device != "cuda":
+        return {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    sites = collections.Counter()
+
+    def record(*_args, **_kwargs):
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(here)]
+        sites[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            time_update(engine, cfg, samples, 0, 1, device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites.most_common())
 
 
 def extra_measurements(engine, cfg, samples, args) -> dict:
@@ -268,7 +309,8 @@ def main() -> None:
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--rollout-tokens", type=int, default=128)
     parser.add_argument("--cases", default=None, help="comma-separated indices of the configurations to run")
-    parser.add_argument("--profile", action="store_true", help="print the top kernels of one update per case")
+    parser.add_argument("--profile", action="store_true", help="profile one update of the first case")
+    parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
     args = parser.parse_args()
     args.device = "cpu" if args.quick else "cuda"
@@ -313,6 +355,8 @@ def main() -> None:
             report["hf"].setdefault("mfu", hf_flops / report["hf"]["seconds"])
         report["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        if "profile" in row:
+            print(json.dumps({k: v for k, v in row["profile"].items() if k != "table"}, indent=1), flush=True)
         save()
     report["hf"].setdefault("mfu", float("nan"))
     print_table(report["rows"], report["hf"])

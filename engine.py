@@ -452,6 +452,13 @@ class TorchTitanEngine:
             yield "lm_head.weight", tied_embedding  # vLLM needs it even for tied models
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device copy that does not wait for the device to drain (pinned, non-blocking on CUDA)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def pack(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and positions [1, T] of sequences packed back to back (positions restart per sequence)."""
     tokens = torch.tensor([t for s in sequences for t in s])[None]
@@ -501,9 +508,10 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         Under CP, T' is this rank's share of the tokens and the CP order holds their packed indices.
         """
         tokens, positions, labels = self._pad_for_sharding(tokens, positions, labels)
-        input_dict = {"input": tokens.to(self.device), "positions": positions.to(self.device)}
-        cp_order = self._cp_order(tokens.shape[1]) if self.parallel_dims.cp_enabled else None
-        inputs, labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels.to(self.device))
+        tokens, positions, labels = to_device(torch.cat([tokens, positions, labels]), self.device).unbind(0)
+        input_dict = {"input": tokens[None], "positions": positions[None]}
+        cp_order = self._cp_order(tokens.shape[0]) if self.parallel_dims.cp_enabled else None
+        inputs, labels, kwargs = self.trainer.post_dataloading_process(input_dict, labels[None])
         if isinstance(labels, DTensor):
             labels = labels.full_tensor()
         with self.trainer.train_context():  # spmd_types knows the TP mesh only inside it
@@ -575,69 +583,89 @@ def _tp_group_and_vocab(logits):
 
 def token_logprobs(local_logits, labels, tp_group, vocab: int, temperature: float, with_entropy: bool,
                    chunk_tokens: int, compile_: bool = False):
-    """log p(label) and entropy per token, fp32 only one chunk of tokens at a time (vocab split over tp_group)."""
-    local_logits, labels = local_logits.flatten(0, 1), labels.flatten()
-    logprob_chunks, entropy_chunks = [], []
-    chunk_fn = _compiled_local_logprobs() if compile_ and tp_group is None else _chunk_logprobs
-    fn = lambda x, y: chunk_fn(x, y, temperature, tp_group, vocab, with_entropy)  # noqa: E731
-    # split (not slicing): its backward concatenates chunk grads instead of adding full-size zeros
-    for args in zip(local_logits.split(chunk_tokens), labels.split(chunk_tokens)):
-        if torch.is_grad_enabled():  # recompute the fp32 chunk in backward instead of keeping it
-            logprob, entropy = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-        else:
-            logprob, entropy = fn(*args)
-        logprob_chunks.append(logprob)
-        entropy_chunks.append(entropy)
-    logprobs = torch.cat(logprob_chunks)
-    return logprobs, torch.cat(entropy_chunks) if with_entropy else None
+    """log p(label) and entropy per token of softmax(logits / temperature), float32 (vocab split over tp_group)."""
+    logprobs, entropy = _LogProbEntropy.apply(
+        local_logits.flatten(0, 1), labels.flatten(), temperature, tp_group, vocab, chunk_tokens, compile_)
+    return logprobs, entropy if with_entropy else None
 
 
-def _chunk_logprobs(logits, labels, temperature, tp_group, vocab, with_entropy):
-    from torchtitan.components.loss import _LossParallelCrossEntropy
+class _LogProbEntropy(torch.autograd.Function):
+    """Per-row log p(label) and entropy with the gradient in closed form.
 
-    logits = logits.float() / temperature
-    if tp_group is None:
-        logp = torch.log_softmax(logits, dim=-1)  # one normalisation for both outputs
-        logprob = logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0].masked_fill(labels == IGNORE_INDEX, 0.0)
-        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros(())
-        return logprob, entropy
-    nll = _LossParallelCrossEntropy.apply(logits, labels, tp_group, vocab, "none")
-    entropy = _entropy(logits, tp_group) if with_entropy else torch.zeros(())
-    return -nll, entropy
+    With z = logits / T, p = softmax(z): d logp_y / dz = onehot_y - p and dH / dz = -p (log p + H),
+    so backward needs only the logits and two floats per row (log Z, H): no fp32 graph is kept or
+    recomputed. Under TP each rank holds a vocab slice: the forward all-reduces the row max and
+    three row sums; the backward is local. Eager mode works `chunk_tokens` rows at a time to bound
+    fp32 temporaries; compiled, the reductions and the gradient are fused kernels over all rows.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, tp_group, vocab, chunk_tokens, compile_):
+        offset = dist.get_rank(tp_group) * -(-vocab // dist.get_world_size(tp_group)) if tp_group else 0
+        local_labels = labels - offset  # out of [0, local vocab) where another rank holds the label
+        row_max, row_stats, _ = _kernels(compile_)
+        rows = _row_chunks(len(logits), chunk_tokens, compile_)
+        maxes = torch.cat([row_max(logits[r]) for r in rows])
+        if tp_group is not None:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+        stats = torch.cat([row_stats(logits[r], local_labels[r], maxes[r], temperature) for r in rows])
+        if tp_group is not None:
+            dist.all_reduce(stats, group=tp_group)
+        sum_exp, sum_exp_shifted, label_z = stats.unbind(-1)
+        log_z = maxes / temperature + torch.log(sum_exp)
+        entropy = torch.log(sum_exp) - sum_exp_shifted / sum_exp  # log Z - E[z], both shifted by m
+        ignored = labels == IGNORE_INDEX
+        ctx.save_for_backward(logits, local_labels, log_z, entropy, ignored)
+        ctx.temperature, ctx.chunk_tokens, ctx.compile_ = temperature, chunk_tokens, compile_
+        return (label_z - log_z).masked_fill(ignored, 0.0), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_labels, log_z, entropy, ignored = ctx.saved_tensors
+        grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
+        grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy
+        logits_grad = _kernels(ctx.compile_)[2]
+        rows = _row_chunks(len(logits), ctx.chunk_tokens, ctx.compile_)
+        args = (logits, local_labels, log_z, entropy, grad_logprobs, grad_entropy)
+        if len(rows) == 1:
+            return logits_grad(*args, ctx.temperature), None, None, None, None, None, None
+        grad = torch.empty_like(logits)
+        for r in rows:
+            grad[r] = logits_grad(*(a[r] for a in args), ctx.temperature)
+        return grad, None, None, None, None, None, None
+
+
+def _row_chunks(count: int, chunk_tokens: int, compile_: bool) -> list[slice]:
+    """All rows at once when compiled (fused kernels keep no fp32 copy), else chunks of rows."""
+    step = max(count, 1) if compile_ else chunk_tokens
+    return [slice(start, start + step) for start in range(0, max(count, 1), step)]
+
+
+def _row_max(logits):
+    return logits.amax(-1).float()
+
+
+def _row_stats(logits, local_labels, row_max, temperature):
+    """[sum e, sum e (z - m), z at the label if this rank holds it] per row; z = logits / T, e = exp(z - m)."""
+    z = logits.float() / temperature
+    shifted = z - row_max[:, None] / temperature
+    e = torch.exp(shifted)
+    in_slice = (local_labels >= 0) & (local_labels < logits.shape[-1])
+    label_z = z.gather(-1, local_labels.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0] * in_slice
+    return torch.stack([e.sum(-1), (e * shifted).sum(-1), label_z], dim=-1)
+
+
+def _logits_grad(logits, local_labels, log_z, entropy, grad_logprobs, grad_entropy, temperature):
+    """d(sum g_lp * logp_y + g_H * H) / d logits = (g_lp (onehot_y - p) - g_H p (log p + H)) / T."""
+    logp = logits.float() / temperature - log_z[:, None]
+    p = torch.exp(logp)
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None] == local_labels[:, None]
+    grad = grad_logprobs[:, None] * (onehot.float() - p) - grad_entropy[:, None] * p * (logp + entropy[:, None])
+    return (grad / temperature).to(logits.dtype)
 
 
 @functools.cache
-def _compiled_local_logprobs():
-    """_chunk_logprobs compiled (no TP): fuses the fp32 upcast, softmax, gather and entropy."""
-    return torch.compile(_chunk_logprobs, dynamic=True)
-
-
-def _entropy(logits, tp_group):
-    """Entropy of softmax(logits) per row; the vocab may be split across the TP group."""
-    from torch.distributed.nn.functional import all_reduce
-
-    if tp_group is None:
-        logp = torch.log_softmax(logits, dim=-1)
-        return -(logp.exp() * logp).sum(-1)
-    row_max = logits.detach().amax(-1, keepdim=True)
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - row_max
-    # Z feeds every peer's local terms, so its gradient sums over peers (all_reduce backward)
-    log_z = torch.log(all_reduce(shifted.exp().sum(-1, keepdim=True), group=tp_group))
-    logp = shifted - log_z
-    return _SumOverTP.apply(-(logp.exp() * logp).sum(-1), tp_group)
-
-
-class _SumOverTP(torch.autograd.Function):
-    """All-reduce sum forward, identity backward: every TP peer holds the same loss (Megatron's
-    reduce-from-model-parallel region), so summing gradients too would count them tp times."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _kernels(compile_: bool):
+    """(row max, row stats, logits grad), compiled into fused kernels when `compile_`."""
+    fns = (_row_max, _row_stats, _logits_grad)
+    return tuple(torch.compile(fn, dynamic=True) for fn in fns) if compile_ else fns

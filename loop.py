@@ -22,7 +22,7 @@ import torch.distributed as dist
 import gsm8k
 import grpo
 from config import Config, parse_cli, validate
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack, to_device
 from rollout import Rollout, build_rollout
 
 
@@ -127,15 +127,15 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only:
             tokens, positions = pack([s.tokens for s in members])
             labels = torch.cat([s.labels() for s in members])[None]
             logprobs, entropy = engine.forward(tokens, positions, labels, temperature, with_entropy)
-            per_sample, per_entropy, offset = [], [], 0
-            for s in members:
-                window = slice(offset + s.response_slice().start, offset + s.response_slice().stop)
-                per_sample.append(logprobs[window])
-                per_entropy.append(entropy[window] if entropy is not None else None)
-                offset += len(s.tokens)
-            if forward_only:  # the update does not need them: no device sync per sample
-                for i, lp in zip(group, per_sample):
-                    logprobs_out[i] = lp.detach().cpu()
+            starts = torch.tensor([0] + [len(s.tokens) for s in members]).cumsum(0).tolist()
+            windows = [slice(start + s.response_slice().start, start + s.response_slice().stop)
+                       for start, s in zip(starts, members)]
+            per_sample = [logprobs[w] for w in windows]
+            per_entropy = [entropy[w] if entropy is not None else None for w in windows]
+            if forward_only:  # one device -> host copy per micro-batch
+                host = logprobs.detach().cpu()
+                for i, window in zip(group, windows):
+                    logprobs_out[i] = host[window]
             if loss_fn is None:
                 continue
             loss, mb_metrics = loss_fn([samples[i] for i in group], per_sample[:len(group)],
@@ -156,16 +156,22 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
         lengths = torch.tensor([len(s.response_ids) for s in members])
         per_seq = grpo.token_weights(lengths, cfg.algorithm.loss_agg_mode, global_tokens, global_seqs,
                                      cfg.data.max_response_length)
-        device = logprobs[0].device
-        cat = lambda xs: torch.cat([x.to(device) for x in xs])  # noqa: E731
-        weights = cat([torch.full((n,), float(w)) for n, w in zip(lengths.tolist(), per_seq.tolist())])
-        advantages = cat([torch.full((len(s.response_ids),), s.advantage) for s in members])
-        current = cat(logprobs)
-        old = cat([s.old_logprobs if s.old_logprobs is not None else lp.detach() for s, lp in zip(members, logprobs)])
-        rollout_lp = cat([torch.tensor(s.rollout_logprobs) for s in members])
-        ref = cat([s.ref_logprobs for s in members]) if members[0].ref_logprobs is not None else None
-        entropy = cat(entropies) if entropies[0] is not None else None
-        return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, entropy, ref, rollout_lp)
+        current = torch.cat(logprobs)
+        host = {  # per response token, built on the host and copied to the device at once
+            "weights": per_seq.float().repeat_interleave(lengths),
+            "advantages": torch.tensor([s.advantage for s in members]).float().repeat_interleave(lengths),
+            "rollout": torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in members]),
+        }
+        if members[0].old_logprobs is not None:
+            host["old"] = torch.cat([s.old_logprobs for s in members])
+        if members[0].ref_logprobs is not None:
+            host["ref"] = torch.cat([s.ref_logprobs for s in members])
+        on_device = dict(zip(host, to_device(torch.stack(list(host.values())), current.device)))
+        old = on_device.get("old", current.detach())
+        weights, advantages, rollout_lp = (on_device[k] for k in ("weights", "advantages", "rollout"))
+        entropy = torch.cat(entropies) if entropies[0] is not None else None
+        return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, entropy, on_device.get("ref"),
+                                    rollout_lp)
 
     return loss_fn
 
