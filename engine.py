@@ -668,4 +668,6 @@ def _logits_grad(logits, local_labels, log_z, entropy, grad_logprobs, grad_entro
 def _kernels(compile_: bool):
     """(row max, row stats, logits grad), compiled into fused kernels when `compile_`."""
     fns = (_row_max, _row_stats, _logits_grad)
-    return tuple(torch.compile(fn, dynamic=True) for fn in fns) if compile_ else fns
+    # automatic dynamic shapes: the token count becomes symbolic, the vocab stays a constant (a
+    # symbolic vocab turns each element's row index into a 64-bit division by a runtime value)
+    return tuple(torch.compile(fn) for fn in fns) if compile_ else fns
