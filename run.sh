@@ -15,6 +15,7 @@ PY=.venv/bin/python
 
 FSDP_SIZE=${FSDP_SIZE:--1} TP_SIZE=${TP_SIZE:-1} EP_SIZE=${EP_SIZE:-1} CP_SIZE=${CP_SIZE:-1}
 ATTN_TYPE=${ATTN_TYPE:-flex} AC_MODE=${AC_MODE:-selective} SPMD_BACKEND=${SPMD_BACKEND:-spmd_types}
+COMPILE=${COMPILE:-$([ "$NUM_GPUS" -gt 0 ] && echo True || echo False)}  # per-block torch.compile: ~2x on GPU (bench.py)
 TRAIN_FILES=${TRAIN_FILES:-../shared/data/gsm8k/train.jsonl} VAL_FILES=${VAL_FILES:-../shared/data/gsm8k/test.jsonl}
 TOTAL_TRAIN_STEPS=${TOTAL_TRAIN_STEPS:-100}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512} MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-256}
@@ -43,7 +44,7 @@ exec $PY -m torch.distributed.run --standalone --nproc_per_node=$(( NUM_GPUS > 0
   --model.path "$MODEL_PATH" --model.attn_type "$ATTN_TYPE" \
   --parallelism.data_parallel_shard_degree "$FSDP_SIZE" --parallelism.tensor_parallel_degree "$TP_SIZE" \
   --parallelism.expert_parallel_degree "$EP_SIZE" --parallelism.context_parallel_degree "$CP_SIZE" \
-  --parallelism.spmd_backend "$SPMD_BACKEND" --activation_checkpoint.mode "$AC_MODE" \
+  --parallelism.spmd_backend "$SPMD_BACKEND" --activation_checkpoint.mode "$AC_MODE" --compile.enable "$COMPILE" \
   --data.train_files "$TRAIN_FILES" --data.val_files "$VAL_FILES" \
   --data.max_prompt_length "$MAX_PROMPT_LENGTH" --data.max_response_length "$MAX_RESPONSE_LENGTH" \
   --data.train_batch_size 256 --rollout.n 5 --actor.ppo_mini_batch_size 64 --optimizer.lr 1e-6 \

@@ -128,6 +128,28 @@ def test_token_logprobs_gradient_matches_float64_autograd(compiled):
     torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_token_logprobs_never_hold_full_fp32_logits(compiled):
+    """No allocation reaches [tokens, vocab] float32: eager works in row chunks, compiled in fused kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import token_logprobs
+
+    rows, vocab, chunk = 512, 3001, 128
+    logits = torch.randn(1, rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, rows))
+
+    def step():
+        logprobs, entropy = token_logprobs(logits, labels, None, vocab, 0.9, True, chunk, compiled)
+        (logprobs.sum() + entropy.sum()).backward()
+
+    step()  # compile outside the profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest == rows * vocab * 2  # the bf16 logits gradient, nothing larger
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS) + ["tp2_no_sp"])
 def test_parallel_layout_matches_one_process(layout, backend, dense_dir, reference, tmp_path):
     nproc, flags = LAYOUTS.get(layout) or (2, LAYOUTS["tp2"][1] + ["--parallelism.enable_sequence_parallel", "False"])
