@@ -107,7 +107,7 @@ class ActorConfig:
     max_norm: float = 1.0  # grad clipping
     use_rollout_logprobs: bool = False  # use the sampler's log-probs as old log-probs (skips a pass)
     enable_cpu_offload: bool = False  # FSDP2 CPU offload of params, grads and optimizer states
-    logprob_chunk_tokens: int = 4096  # tokens per chunk when turning hidden states into log-probs
+    logprob_chunk_tokens: int = 4096  # tokens per fp32 chunk of the log-prob/entropy pass (eager; compiled fuses all)
 
 
 @dataclass
