@@ -218,8 +218,8 @@ def extra_measurements(engine, cfg, samples, args) -> dict:
     return result
 
 
-def hf_update_seconds(hf_config: dict, samples, budget: int, warmup: int, steps: int, device: str,
-                      gradient_checkpointing: bool) -> tuple[float, float]:
+def hf_update_seconds(hf_config: dict, samples, budget: int, warmup: int, steps: int,
+                      device: str) -> tuple[float, float]:
     """Seconds per update and peak memory of HF Qwen3ForCausalLM (sdpa) on the same micro-batches, padded."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -229,8 +229,6 @@ def hf_update_seconds(hf_config: dict, samples, budget: int, warmup: int, steps:
     cfg = Config()
     with torch.device(device):
         model = Qwen3ForCausalLM(Qwen3Config(**hf_config, attn_implementation="sdpa"))
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, foreach=True)
     groups = pack_micro_batches([len(s.tokens) for s in samples], budget)
@@ -274,7 +272,7 @@ def _hf_micro_batch_loss(model, members, global_tokens, cfg, dtype, device, grpo
     return loss
 
 
-def cases(quick: bool, device: str) -> list[dict]:
+def cases(quick: bool) -> list[dict]:
     """The configurations measured, most important first (a timeout keeps the first rows)."""
     if quick:
         return [dict(attn="sdpa", compile=False, ac="none", budget=2048),
@@ -338,11 +336,11 @@ def main() -> None:
             report["hf"] = json.load(f)["hf"]
     else:
         budget = 2048 if args.quick else 16384
-        seconds, memory = hf_update_seconds(hf_config, samples, budget, 1, args.steps, args.device, False)
+        seconds, memory = hf_update_seconds(hf_config, samples, budget, 1, args.steps, args.device)
         report["hf"] = dict(budget=budget, seconds=seconds, tokens_per_s=tokens / seconds, peak_memory_gb=memory)
     save()
     hf_flops = None
-    all_cases = cases(args.quick, args.device)
+    all_cases = cases(args.quick)
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(all_cases))
     for index in chosen:
         case = all_cases[index]
