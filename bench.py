@@ -2,6 +2,7 @@
 
     python bench.py --out bench.json              # the table in README (one GPU, random init, bf16)
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
+    python bench.py --read-trace t.json.gz        # kernel time by name and GPU idle in a --trace file
 
 Sequences look like GSM8K rollouts of Qwen3-0.6B (prompt ~130 tokens, response ~180 with 15% cut
 at 256). One "step" is a verl mini-batch (64 prompts x 5 responses) through `forward_backward_batch`
@@ -298,6 +299,28 @@ def print_table(rows: list[dict], hf: dict) -> None:
               f"{1.0:>6.2f}{hf['peak_memory_gb']:>8.1f}")
 
 
+def read_trace(path: str, top: int = 40) -> None:
+    """Print a --trace file's kernel time by name and the GPU idle time before each kernel name."""
+    import collections
+    import gzip
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    busy, idle_before = collections.Counter(), collections.Counter()
+    end = kernels[0]["ts"]
+    for k in kernels:
+        busy[k["name"][:90]] += k["dur"] / 1e3
+        idle_before[k["name"][:90]] += max(0.0, k["ts"] - end) / 1e3
+        end = max(end, k["ts"] + k["dur"])
+    print(f"span {(end - kernels[0]['ts']) / 1e3:.1f} ms, kernels {sum(busy.values()):.1f} ms, "
+          f"GPU idle {sum(idle_before.values()):.1f} ms")
+    for title, table in (("kernel time", busy), ("GPU idle just before", idle_before)):
+        print(f"\n{title} (ms, by kernel name):")
+        for name, ms in table.most_common(top):
+            print(f"{ms:9.1f}  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench.json")
@@ -310,7 +333,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile one update of the first case")
     parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
+    parser.add_argument("--read-trace", default=None, help="summarise a --trace file and exit")
     args = parser.parse_args()
+    if args.read_trace:
+        return read_trace(args.read_trace)
     args.device = "cpu" if args.quick else "cuda"
     if args.quick:
         from engine import init_process_group, use_cpu_device
