@@ -307,6 +307,9 @@ def read_trace(path: str, top: int = 40) -> None:
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        print(f"{path}: no GPU kernels (a CPU run)")
+        return
     busy, idle_before = collections.Counter(), collections.Counter()
     end = kernels[0]["ts"]
     for k in kernels:
