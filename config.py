@@ -218,6 +218,13 @@ def validate(cfg: Config, world_size: int) -> None:
             f"tensor_parallel_degree x context_parallel_degree = {mesh} != world size "
             f"{world_size}; make the product equal the number of processes"
         )
+    model_parallel = p.tensor_parallel_degree * p.context_parallel_degree
+    if cfg.rollout.name == "vllm" and model_parallel % cfg.rollout.tensor_parallel_size:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide tensor_parallel_degree x "
+            f"context_parallel_degree = {model_parallel}: a vLLM TP group must hold only ranks that share one batch; "
+            "set it to a divisor of that product"
+        )
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
         raise ValueError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
                          "(torchtitan has no varlen CP); use flex")

@@ -172,7 +172,7 @@ def load_model_dir(path: str) -> str:
         return os.path.abspath(path)
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "merges.txt"])
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -429,17 +429,20 @@ class TorchTitanEngine:
             import shutil
 
             for name in os.listdir(self.model_dir):
-                if name.endswith((".json", ".txt", ".model")) and not name.endswith("index.json"):
+                if name.endswith((".json", ".txt", ".model", ".jinja")) and not name.endswith("index.json"):
                     shutil.copy(os.path.join(self.model_dir, name), out)
         dist.barrier()
         return out
 
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) one parameter at a time; tied lm_head.weight included."""
+    def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) one parameter at a time, cast to `dtype` (default: the masters')
+        before the gather; tied lm_head.weight included."""
         from torchtitan.components.checkpointer.utils import canonical_fqn
 
         yielded = set()
         for name, tensor in self.model.state_dict().items():
+            if dtype is not None:
+                tensor = tensor.to(dtype)  # a DTensor casts its local shard: the gather moves fewer bytes
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             for hf_name, hf_tensor in self.sd_adapter.to_hf({canonical_fqn(name): tensor}).items():

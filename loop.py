@@ -349,18 +349,28 @@ def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]
         total += sum(gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
                      for t, (_, g) in zip(texts, chunk))
     summed = engine.dp_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64)).tolist()
-    sampler.sleep()
     return {"val-core/openai/gsm8k/reward/mean@1": summed[0] / max(summed[1], 1.0)}
 
 
 class MetricsLog:
-    """One console line per step and a metrics.jsonl in the output dir (rank 0)."""
+    """One console line per step and a metrics.jsonl in the output dir (rank 0).
 
-    def __init__(self, output_dir: str):
+    A fresh run starts a fresh file; a resumed one keeps the rows up to the step it resumed from
+    (rows of steps it redoes would otherwise appear twice).
+    """
+
+    def __init__(self, output_dir: str, resumed_step: int):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.rank0 = dist.get_rank() == 0
-        if self.rank0:
-            os.makedirs(output_dir, exist_ok=True)
+        if not self.rank0:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        kept = []
+        if resumed_step > 0 and os.path.isfile(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.rank0:
@@ -391,8 +401,20 @@ def build_reference(cfg: Config):
     return TorchTitanEngineWithLMHead(ref_cfg)
 
 
-def train(cfg: Config) -> dict[str, float]:
-    """Run GRPO for trainer.total_training_steps; returns the last step's metrics."""
+@dataclass
+class Run:
+    """What a GRPO run is made of: the actor, the optional KL reference, tokenizer, prompts and sampler."""
+
+    engine: TorchTitanEngineWithLMHead
+    ref_engine: TorchTitanEngineWithLMHead | None
+    tokenizer: object
+    train_set: PromptSet
+    val_set: PromptSet
+    sampler: object
+
+
+def build_run(cfg: Config) -> Run:
+    """Validate the config, then build the engine(s), the prompt sets and the sampler (synced)."""
     from transformers import AutoTokenizer
 
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -402,25 +424,33 @@ def train(cfg: Config) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     train_set = PromptSet(gsm8k.load_problems(cfg.data.train_files, seed=cfg.data.seed), tokenizer, cfg, "train")
     val_set = PromptSet(gsm8k.load_problems(cfg.data.val_files, seed=cfg.data.seed + 1), tokenizer, cfg, "val")
-    sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))
-    metrics_log = MetricsLog(cfg.trainer.output_dir)
+    sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))  # holds the trainer's weights
+    return Run(engine, ref_engine, tokenizer, train_set, val_set, sampler)
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Run GRPO for trainer.total_training_steps; returns the last step's metrics."""
+    run = build_run(cfg)
+    engine, sampler, tokenizer = run.engine, run.sampler, run.tokenizer
+    metrics_log = MetricsLog(cfg.trainer.output_dir, engine.loaded_step)
     first = engine.loaded_step + 1
     if first > 1:
         log(f"resumed from step {engine.loaded_step}")
-        sampler.sync_weights()
     if cfg.trainer.val_before_train and first == 1:
-        metrics_log.write(0, run_validation(cfg, engine, sampler, val_set, tokenizer))
+        metrics_log.write(0, run_validation(cfg, engine, sampler, run.val_set, tokenizer))
     metrics = {}
     for step in range(first, cfg.trainer.total_training_steps + 1):
-        metrics = train_step(cfg, step, engine, ref_engine, sampler, train_set, tokenizer)
+        metrics = train_step(cfg, step, engine, run.ref_engine, sampler, run.train_set, tokenizer)
         last = step == cfg.trainer.total_training_steps
         if (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0) or last:
-            metrics.update(run_validation(cfg, engine, sampler, val_set, tokenizer))
+            metrics.update(run_validation(cfg, engine, sampler, run.val_set, tokenizer))
+        metrics_log.write(step, metrics)  # before the checkpoint: a resume from it never lacks this row
         if cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0:
             engine.save_checkpoint(step)
-        metrics_log.write(step, metrics)
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
         log(f"exported HF weights to {engine.export_hf(cfg.trainer.total_training_steps)}")
+    dist.barrier()
+    sampler.close()  # before the process group goes: vLLM's teardown frees its memory pools and groups
     return metrics
 
 
@@ -464,8 +494,8 @@ def main(argv: list[str]) -> None:
         print(plot(argv[1]))
         return
     train(parse_cli(argv))
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # vLLM's shutdown has already destroyed it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

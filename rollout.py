@@ -4,6 +4,7 @@ Both samplers take token-id prompts and return a `Rollout` with n responses per 
 (consecutive), the per-token sampling log-probs (after temperature), and finish reasons.
 """
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +35,11 @@ def build_rollout(cfg: Config, engine, eos_token_ids: list[int]):
 
 
 class VLLMRollout:
-    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process."""
+    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process.
+
+    The engine starts from dummy weights and takes the trainer's at once (as verl does): no
+    second read of the checkpoint, and a random-init or resumed trainer is what gets sampled.
+    """
 
     def __init__(self, cfg: Config, engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: weights reload in place
@@ -45,14 +50,17 @@ class VLLMRollout:
                 f"rollout.name=vllm but vllm cannot be imported ({error}); install the pinned set "
                 "(bash run.sh does) or use --rollout.name native"
             ) from error
+        # the in-place reload warns for every layer whose only tensors no checkpoint holds (RoPE's cos/sin
+        # cache, which it keeps as it was): one line per sync and rank, about nothing
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cfg, self.engine = cfg, engine
         on_gpu = engine.device_type == "cuda"
-        world = dist.get_world_size()
+        self.dtype = torch.bfloat16 if on_gpu and cfg.model.dtype == "bfloat16" else torch.float32
         self.llm = LLM(
             model=engine.model_dir,
-            dtype="bfloat16" if on_gpu and cfg.model.dtype == "bfloat16" else "float32",
+            dtype=self.dtype,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            distributed_executor_backend="external_launcher" if world > 1 else None,
+            distributed_executor_backend="external_launcher" if dist.get_world_size() > 1 else None,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             max_num_seqs=cfg.rollout.max_num_seqs,
             max_model_len=cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
@@ -60,52 +68,62 @@ class VLLMRollout:
             enable_sleep_mode=on_gpu and cfg.rollout.free_cache_engine,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
             seed=cfg.rollout.seed + dist.get_rank() // cfg.rollout.tensor_parallel_size,
-            load_format="dummy" if cfg.model.random_init else "auto",
+            load_format="dummy",
         )
         self.sleeping = False
+        self.sync_weights()
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
         """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        assert not self.sleeping, "vLLM is asleep: its weights were discarded; call sync_weights() first"
         r = self.cfg.rollout
-        params = [SamplingParams(
+        params = SamplingParams(
             n=1 if greedy else n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
-            top_k=-1 if greedy else r.top_k, max_tokens=self.cfg.data.max_response_length, logprobs=0,
-            seed=seed + index,
-        ) for index in range(len(prompt_ids))]
-        self.wake_up()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+            top_k=-1 if greedy else r.top_k, max_tokens=self.cfg.data.max_response_length,
+            logprobs=0, flat_logprobs=True,  # the sampled token's log-prob only, as flat lists (no per-token dicts)
+            detokenize=False,  # the loop decodes the texts it scores itself
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        # one seed for the whole call: per-request seeds make vLLM draw each request's noise separately
+        with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
+                                   else []):
+            torch.manual_seed(seed)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         rollout = Rollout([], [], [], [])
         for prompt, output in zip(prompt_ids, outputs):
             for sample in output.outputs:
                 rollout.prompt_ids.append(list(prompt))
                 rollout.response_ids.append(list(sample.token_ids))
-                rollout.logprobs.append([d[t].logprob for d, t in zip(sample.logprobs, sample.token_ids)])
+                rollout.logprobs.append(list(sample.logprobs.logprobs))  # logprobs=0: one entry per position
                 rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
         return rollout
 
     def sync_weights(self) -> float:
-        """Load the trainer's current weights into the live engine, one tensor at a time; seconds."""
+        """Load the trainer's current weights (in the rollout dtype) into the live engine; seconds."""
         start = time.perf_counter()
-        self.wake_up()
-        weights = self.engine.export_hf_weights()
+        if self.sleeping:  # the weights' memory first; the KV cache only once the load is done
+            self.llm.wake_up(tags=["weights"])
+        weights = self.engine.export_hf_weights(dtype=self.dtype)
         # vLLM's in-place reload re-runs its post-load processing (e.g. CPU weight repacking)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 
     def sleep(self) -> None:
-        """Free the KV cache and weights on the GPU during the actor update (GPU only)."""
+        """Free the GPU memory of the KV cache and the weights (discarded: the next sync reloads them)."""
         if self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.sleeping = True
 
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def close(self) -> None:
+        """Shut the engine down; vLLM's teardown also destroys torch.distributed's default group."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 # ----------------------------------------------------------------------------- native
@@ -164,7 +182,7 @@ class NativeRollout:
     def sleep(self) -> None:
         pass
 
-    def wake_up(self) -> None:
+    def close(self) -> None:
         pass
 
 

@@ -2,52 +2,60 @@
 # GRPO on GSM8K with TorchTitan + vLLM. Documented runs:
 #   NUM_GPUS=4 FSDP_SIZE=2 TP_SIZE=2 bash run.sh
 #   NUM_GPUS=4 FSDP_SIZE=4 bash run.sh
-# With no GPU (and no MODEL_PATH) it runs a short CPU demo on a tiny random Qwen3. Extra args
-# (--section.field value) pass through to loop.py.
+# With no GPU (and no MODEL_PATH) it runs a short CPU demo on a tiny random Qwen3, in as many processes
+# as FSDP_SIZE x TP_SIZE x CP_SIZE ask for. Extra args (--section.field value) pass through to loop.py.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts_env.sh
 
 GPUS_PRESENT=$(command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | wc -l || echo 0)
 NUM_GPUS=${NUM_GPUS:-$GPUS_PRESENT}
-if [ "$NUM_GPUS" -gt 0 ]; then ensure_gpu_env; else ensure_cpu_env; fi
-PY=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON  # an environment of your own, with the pinned set
+elif [ "$NUM_GPUS" -gt 0 ]; then ensure_gpu_env; PY=.venv/bin/python
+else ensure_cpu_env; PY=.venv/bin/python; fi
 
 FSDP_SIZE=${FSDP_SIZE:--1} TP_SIZE=${TP_SIZE:-1} EP_SIZE=${EP_SIZE:-1} CP_SIZE=${CP_SIZE:-1}
-ATTN_TYPE=${ATTN_TYPE:-flex} AC_MODE=${AC_MODE:-selective} SPMD_BACKEND=${SPMD_BACKEND:-spmd_types}
+ATTN_TYPE=${ATTN_TYPE:-flex} AC_MODE=${AC_MODE:-selective} SPMD_BACKEND=${SPMD_BACKEND:-auto}
 COMPILE=${COMPILE:-$([ "$NUM_GPUS" -gt 0 ] && echo True || echo False)}  # per-block torch.compile: ~2x on GPU (bench.py)
 TRAIN_FILES=${TRAIN_FILES:-../shared/data/gsm8k/train.jsonl} VAL_FILES=${VAL_FILES:-../shared/data/gsm8k/test.jsonl}
-TOTAL_TRAIN_STEPS=${TOTAL_TRAIN_STEPS:-100}
+TOTAL_TRAIN_STEPS=${TOTAL_TRAIN_STEPS:-100} SAVE_FREQ=${SAVE_FREQ:-20} TEST_FREQ=${TEST_FREQ:-10}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512} MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-256}
+OUTPUT_DIR=${OUTPUT_DIR:-outputs/gsm8k_grpo}
+# processes: one per GPU; on CPU, as many as the parallel sizes ask for (FSDP_SIZE -1 counts as 1)
+NPROC=$(( NUM_GPUS > 0 ? NUM_GPUS : (FSDP_SIZE > 0 ? FSDP_SIZE : 1) * TP_SIZE * CP_SIZE ))
+PARALLEL_ARGS=(--parallelism.data_parallel_shard_degree "$FSDP_SIZE" --parallelism.tensor_parallel_degree "$TP_SIZE"
+  --parallelism.expert_parallel_degree "$EP_SIZE" --parallelism.context_parallel_degree "$CP_SIZE"
+  --parallelism.spmd_backend "$SPMD_BACKEND")
+TORCHRUN=($PY -m torch.distributed.run --standalone --nproc_per_node="$NPROC")
 
 if [ "$NUM_GPUS" -eq 0 ] && [ -z "${MODEL_PATH:-}" ]; then
-  echo "[titan-grpo] no GPU and no MODEL_PATH: running the CPU DEMO (tiny random Qwen3 with the real Qwen3"
-  echo "[titan-grpo] tokenizer, synthetic GSM8K-format problems, 3 steps). Rewards stay near 0: it is a demo."
+  echo "[titan-grpo] no GPU and no MODEL_PATH: running the CPU DEMO in $NPROC process(es) (tiny random Qwen3 with"
+  echo "[titan-grpo] the real Qwen3 tokenizer, synthetic GSM8K-format problems, 3 steps). Rewards stay near 0: a demo."
   DEMO_DIR=outputs/demo_model
   [ -f $DEMO_DIR/config.json ] || $PY -c "import sys; sys.path.insert(0, 'tests'); from tiny import make_tiny_qwen3; \
 make_tiny_qwen3('$DEMO_DIR', tokenizer='qwen3', layers=2, hidden=128, heads=2, kv_heads=1)" >/dev/null
-  exec $PY loop.py --model.path $DEMO_DIR --model.attn_type sdpa --model.dtype float32 --trainer.device cpu \
-    --rollout.name native --data.train_files synthetic --data.val_files synthetic --data.max_val_samples 8 \
-    --data.train_batch_size 4 --actor.ppo_mini_batch_size 4 --rollout.n 4 --data.max_prompt_length 128 \
-    --data.max_response_length 16 --actor.max_tokens_per_micro_batch 2048 --trainer.total_training_steps 3 \
-    --trainer.output_dir outputs/demo --checkpoint.export_hf False "$@"
+  exec "${TORCHRUN[@]}" loop.py --model.path $DEMO_DIR --model.attn_type sdpa --model.dtype float32 \
+    --trainer.device cpu "${PARALLEL_ARGS[@]}" --rollout.name native --data.train_files synthetic \
+    --data.val_files synthetic --data.max_val_samples 8 --data.train_batch_size 4 --actor.ppo_mini_batch_size 4 \
+    --rollout.n 4 --data.max_prompt_length 128 --data.max_response_length 16 --actor.max_tokens_per_micro_batch 2048 \
+    --trainer.total_training_steps 3 --trainer.output_dir outputs/demo --checkpoint.export_hf False "$@"
 fi
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-0.6B}
 if [ ! -d "$MODEL_PATH" ]; then  # a hub id: download once
-  MODEL_PATH=$($PY -c "from huggingface_hub import snapshot_download as d; print(d('$MODEL_PATH'))")
+  MODEL_PATH=$($PY -c "from engine import load_model_dir; print(load_model_dir('$MODEL_PATH'))")
 fi
 DEVICE_ARGS=()
-[ "$NUM_GPUS" -eq 0 ] && DEVICE_ARGS=(--trainer.device cpu --model.attn_type sdpa --model.dtype float32 --rollout.enforce_eager True)
+[ "$NUM_GPUS" -eq 0 ] && DEVICE_ARGS=(--trainer.device cpu --model.attn_type sdpa --model.dtype float32
+  --rollout.enforce_eager True --rollout.gpu_memory_utilization 0.15)  # vLLM CPU: KV cache = 0.15 x RAM
 # verl's GSM8K GRPO recipe: 256 prompts x 5, mini-batch 64, lr 1e-6 constant, clip 0.2, no KL, entropy 0
-exec $PY -m torch.distributed.run --standalone --nproc_per_node=$(( NUM_GPUS > 0 ? NUM_GPUS : 1 )) loop.py \
-  --model.path "$MODEL_PATH" --model.attn_type "$ATTN_TYPE" \
-  --parallelism.data_parallel_shard_degree "$FSDP_SIZE" --parallelism.tensor_parallel_degree "$TP_SIZE" \
-  --parallelism.expert_parallel_degree "$EP_SIZE" --parallelism.context_parallel_degree "$CP_SIZE" \
-  --parallelism.spmd_backend "$SPMD_BACKEND" --activation_checkpoint.mode "$AC_MODE" --compile.enable "$COMPILE" \
+exec "${TORCHRUN[@]}" loop.py \
+  --model.path "$MODEL_PATH" --model.attn_type "$ATTN_TYPE" "${PARALLEL_ARGS[@]}" \
+  --activation_checkpoint.mode "$AC_MODE" --compile.enable "$COMPILE" \
   --data.train_files "$TRAIN_FILES" --data.val_files "$VAL_FILES" \
   --data.max_prompt_length "$MAX_PROMPT_LENGTH" --data.max_response_length "$MAX_RESPONSE_LENGTH" \
   --data.train_batch_size 256 --rollout.n 5 --actor.ppo_mini_batch_size 64 --optimizer.lr 1e-6 \
   --algorithm.clip_ratio_low 0.2 --algorithm.clip_ratio_high 0.2 --algorithm.use_kl_loss False \
   --algorithm.entropy_coeff 0 --trainer.total_training_steps "$TOTAL_TRAIN_STEPS" \
-  --trainer.output_dir outputs/gsm8k_grpo "${DEVICE_ARGS[@]}" "$@"
+  --trainer.test_freq "$TEST_FREQ" --checkpoint.save_freq "$SAVE_FREQ" \
+  --trainer.output_dir "$OUTPUT_DIR" "${DEVICE_ARGS[@]}" "$@"

@@ -31,6 +31,8 @@ GOOD = ["--model.attn_type", "sdpa", "--trainer.device", "cpu", "--model.path", 
     (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
       "--model.attn_type", "varlen"], 2, "does not support attn_type=varlen"),
     (["--trainer.device", "cuda", "--model.attn_type", "flex_flash"], 1, "capability >= 9.0"),
+    (["--parallelism.data_parallel_shard_degree", "2", "--rollout.tensor_parallel_size", "2"], 2,
+     "rollout.tensor_parallel_size=2 must divide tensor_parallel_degree x context_parallel_degree = 1"),
 ])
 def test_bad_input_message(flags, world, message):
     cfg = parse_cli(GOOD + flags)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -77,6 +78,33 @@ print("SYNCED", (got - want).abs().max().item())
     assert values["INIT"] < 1e-4
     assert values["STALE"] > 1e-2  # a stale engine is caught by this comparison
     assert values["SYNCED"] < 1e-4
+
+
+@pytest.fixture(scope="module")
+def tp_model_dir(tmp_path_factory):  # two KV heads: the trainer's TP=2 splits them
+    return make_tiny_qwen3(str(tmp_path_factory.mktemp("rollout_tp")), layers=2, hidden=128, heads=2, kv_heads=2)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallelism.data_parallel_shard_degree", "2"],
+    ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+    ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+     "--rollout.tensor_parallel_size", "2"],
+], ids=["fsdp2", "tp2", "tp2_rollout_tp2"])
+def test_vllm_on_every_rank_matches_engine_before_and_after_sync(tp_model_dir, tmp_path, layout):
+    """torchrun, 2 processes: each rank's vLLM (or one vLLM TP group) samples what the trainer computes."""
+    pytest.importorskip("vllm")
+    out = str(tmp_path / "result.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(29601 + len(layout)),
+           os.path.join(HERE, "rollout_worker.py"), out, tp_model_dir, *layout]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    assert "Traceback" not in result.stderr, result.stderr[-5000:]  # the run ends cleanly, vLLM shut down
+    got = torch.load(out)
+    assert got["init"] < 1e-4  # the engine started from dummy weights and took the trainer's
+    assert got["stale"] > 1e-2  # a stale sampler is caught
+    assert got["synced"] < 1e-4
 
 
 def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_dir, tmp_path):

@@ -1,0 +1,73 @@
+"""Run under torchrun: vLLM (CPU) on every rank beside the trainer; compare the sampler's log-probs
+with the engine's at start, after an optimizer step (stale) and after a weight sync; save the largest
+differences over all ranks (rank 0).
+
+    torchrun --nproc_per_node=N tests/rollout_worker.py OUT.pt MODEL_DIR [--section.field value ...]
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from config import parse_cli, validate  # noqa: E402
+from engine import TorchTitanEngineWithLMHead  # noqa: E402
+from loop import Sample, forward_backward_batch, share_within_model_parallel  # noqa: E402
+from rollout import build_rollout  # noqa: E402
+
+PROMPTS = [[1, 4, 6, 9, 12], [1, 4, 6, 15, 11, 16, 17], [1, 5, 7, 8], [1, 9, 9, 3, 2, 6]]
+TEMPERATURE = 0.8
+
+
+def max_over_ranks(value: float) -> float:
+    box = torch.tensor([value])
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return box.item()
+
+
+def mismatch(engine, sampler, seed: int) -> float:
+    """Largest |sampler log-prob - engine log-prob| over this rank's share of the prompts, all ranks."""
+    mine = PROMPTS[engine.dp_rank::engine.dp_size]
+    rollout = share_within_model_parallel(engine, sampler.generate(mine, 3, seed=seed))
+    samples = [Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]
+    got, _ = forward_backward_batch(engine, samples, None, True, TEMPERATURE)
+    want = torch.tensor([x for lp in rollout.logprobs for x in lp])
+    return max_over_ranks((torch.cat(got) - want).abs().max().item())
+
+
+def train_one_step(engine) -> None:
+    """One large-LR optimizer step on a fixed sequence, so that the sampler's weights go stale."""
+    with engine.train_mode():
+        logprobs, _ = engine.forward(torch.tensor([[1, 4, 6, 9, 12, 3, 5]]), torch.arange(7)[None],
+                                     torch.tensor([[4, 6, 9, 12, 3, 5, -100]]))
+        engine.backward(-logprobs.sum())
+        engine.optimizer_step()
+
+
+def main():
+    out, model_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+    cfg = parse_cli(["--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32",
+                     "--trainer.device", "cpu", "--trainer.output_dir", out + "_run", "--rollout.name", "vllm",
+                     "--data.max_response_length", "6", "--data.max_prompt_length", "26",
+                     "--rollout.temperature", str(TEMPERATURE), "--optimizer.lr", "5e-2",
+                     "--rollout.gpu_memory_utilization", "0.1", *extra])
+    validate(cfg, int(os.environ["WORLD_SIZE"]))
+    engine = TorchTitanEngineWithLMHead(cfg)
+    sampler = build_rollout(cfg, engine, [2])
+    result = {"init": mismatch(engine, sampler, seed=1)}
+    train_one_step(engine)
+    result["stale"] = mismatch(engine, sampler, seed=2)
+    result["sync_s"] = max_over_ranks(sampler.sync_weights())
+    result["synced"] = mismatch(engine, sampler, seed=2)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+    sampler.close()  # destroys the default process group, as at the end of loop.train
+    assert not dist.is_initialized()
+
+
+if __name__ == "__main__":
+    main()
