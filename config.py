@@ -205,6 +205,7 @@ def dp_shard_degree(p: ParallelismConfig, world_size: int) -> int:
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ValueError / NotImplementedError with one line naming the setting and the fix."""
     p, device = cfg.parallelism, resolve_device(cfg)
+    _validate_ranges(cfg)
     if p.pipeline_parallel_degree > 1:
         raise NotImplementedError(
             "parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
@@ -242,6 +243,8 @@ def validate(cfg: Config, world_size: int) -> None:
             "use --parallelism.spmd_backend partial_dtensor"
         )
     _validate_attention(cfg.model.attn_type, device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
     _validate_model_dir(cfg.model.path)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if cfg.actor.max_tokens_per_micro_batch < longest:
@@ -256,10 +259,66 @@ def validate(cfg: Config, world_size: int) -> None:
             f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
             f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}; make it one"
         )
+    dp = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
+    if cfg.actor.ppo_mini_batch_size % dp:
+        raise ValueError(
+            f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} prompts do not split over {dp} data-parallel "
+            f"ranks; make it (and data.train_batch_size) a multiple of {dp}"
+        )
+    _validate_output_dir(cfg.trainer.output_dir)
     if cfg.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"algorithm.loss_agg_mode={cfg.algorithm.loss_agg_mode!r} is unknown; use one of {LOSS_AGG_MODES}")
     if cfg.algorithm.kl_loss_type not in KL_TYPES:
         raise ValueError(f"algorithm.kl_loss_type={cfg.algorithm.kl_loss_type!r} is unknown; use one of {KL_TYPES}")
+
+
+AT_LEAST_ONE = (
+    "data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
+    "rollout.n", "rollout.max_num_seqs", "rollout.tensor_parallel_size", "actor.ppo_mini_batch_size",
+    "actor.ppo_epochs", "actor.max_tokens_per_micro_batch", "actor.logprob_chunk_tokens",
+    "trainer.total_training_steps", "parallelism.data_parallel_replicate_degree",
+    "parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
+    "parallelism.expert_parallel_degree", "parallelism.pipeline_parallel_degree",
+)
+# (setting, test, what a valid value is)
+RANGES = (
+    ("rollout.temperature", lambda v: v > 0, "> 0 (GRPO samples a group; validation is greedy already)"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.gpu_memory_utilization", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("optimizer.lr", lambda v: v >= 0, ">= 0"),
+    ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("actor.max_norm", lambda v: v > 0, "> 0"),
+    ("algorithm.clip_ratio_low", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("algorithm.clip_ratio_high", lambda v: v >= 0, ">= 0"),
+    ("algorithm.clip_ratio_c", lambda v: v > 1, "> 1 (verl: 3.0)"),
+    ("algorithm.kl_loss_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.tis_cap", lambda v: v is None or v > 0, "> 0 (or unset)"),
+    ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, ">= 1, or -1 for what the others leave"),
+    ("checkpoint.keep_latest_k", lambda v: v == 0 or v >= 2,
+     "0 (keep all) or >= 2 (the newest may still be being written)"),
+)
+
+
+def _setting(cfg: Config, name: str):
+    section, field_name = name.split(".")
+    return getattr(getattr(cfg, section), field_name)
+
+
+def _validate_ranges(cfg: Config) -> None:
+    for name in AT_LEAST_ONE:
+        if _setting(cfg, name) < 1:
+            raise ValueError(f"{name}={_setting(cfg, name)} must be >= 1")
+    for name, valid, wanted in RANGES:
+        if not valid(_setting(cfg, name)):
+            raise ValueError(f"{name}={_setting(cfg, name)} must be {wanted}")
+
+
+def _validate_output_dir(path: str) -> None:
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise ValueError(f"trainer.output_dir={path} cannot be written ({existing} is not a writable dir); choose another")
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -282,8 +341,9 @@ def _validate_attention(attn_type: str, device: str) -> None:
 
 def _validate_model_dir(path: str) -> None:
     if not os.path.isdir(path):
-        if os.path.isabs(path) or path.startswith("."):
-            raise ValueError(f"model.path={path} does not exist; give an HF model dir or a hub id")
+        looks_local = os.path.isabs(path) or path.startswith(".") or path.count("/") != 1
+        if looks_local or os.path.isdir(path.split("/")[0]):  # "models/x" beside a local models/ is a typo
+            raise ValueError(f"model.path={path} does not exist; give an HF model dir or a hub id (org/name)")
         return  # a hub id: run.sh / load_model_dir downloads it
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):

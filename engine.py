@@ -116,6 +116,42 @@ def _dense_mask_attention_class():
     return DenseMaskAttention
 
 
+def _experts_in_input_dtype_class():
+    """torchtitan's GroupedExperts computing in its input's dtype: its forward casts everything to
+    bfloat16, so a float32 model (CPU, parity tests) was not float32 in its experts (1e-2 off HF)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class ExpertsInInputDtype(GroupedExperts):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            if x_RD.dtype == torch.bfloat16:
+                return super().forward(x_RD, num_tokens_per_expert_E)
+            w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+            offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            hidden = F.silu(self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offsets))
+            hidden = hidden * self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets)
+            return self._grouped_mm(A=hidden, B_t=w2.transpose(-2, -1), offs=offsets)
+
+    return ExpertsInInputDtype
+
+
+def _as_hf_qwen3_moe(model) -> None:
+    """Qwen3-MoE as HF computes it: routing without torchtitan's load-balancing bias (an extra buffer
+    that would change at every step and that neither the HF export nor vLLM carries), experts in the
+    model's dtype."""
+    from torchtitan.models.common.moe import GroupedExperts, MoE
+
+    for _, moe, _, _ in model.traverse(MoE.Config):
+        moe.load_balance_coeff = None
+    experts_class = _experts_in_input_dtype_class()
+    for _, experts, parent, attr in list(model.traverse(GroupedExperts.Config)):
+        fields = {f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)}
+        parent.__setattr__(attr, experts_class.Config(**fields))
+
+
 def qwen3_model_config(hf: dict, attn_type: str):
     """torchtitan Qwen3Model.Config from an HF Qwen3 / Qwen3-MoE config.json dict."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -160,6 +196,8 @@ def qwen3_model_config(hf: dict, attn_type: str):
     )
     for _, norm, _, _ in model.traverse(RMSNorm.Config):
         norm.eps = hf.get("rms_norm_eps", 1e-6)
+    if num_experts:
+        _as_hf_qwen3_moe(model)
     if attn_type == "sdpa":
         for _, _, parent, attr in list(model.traverse(FlexAttention.Config)):
             parent.__setattr__(attr, _dense_mask_attention_class().Config())
@@ -172,7 +210,11 @@ def load_model_dir(path: str) -> str:
         return os.path.abspath(path)
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
+    try:
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
+    except Exception as error:  # offline, no such repo, gated: say which setting, in one line
+        raise ValueError(f"model.path={path} is no local dir and could not be downloaded from the hub "
+                         f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -206,9 +248,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     """torchtitan Trainer.Config mapped 1:1 from our Config."""
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.optimizer import (
-        LRSchedulersContainer, OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook,
-    )
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
     from torchtitan.config.configs import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
@@ -224,7 +264,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     return Trainer.Config(
         model_spec=ModelSpec(
             name="qwen3", flavor="hf", model=model, parallelize_fn=_parallelize_keeping_tied_head, pipelining_fn=None,
-            post_optimizer_build_fn=register_moe_load_balancing_hook, state_dict_adapter=Qwen3StateDictAdapter,
+            post_optimizer_build_fn=None, state_dict_adapter=Qwen3StateDictAdapter,  # no load-balancing hook: HF has none
         ),
         hf_assets_path=model_dir,
         dump_folder=cfg.trainer.output_dir,
@@ -335,11 +375,20 @@ class TorchTitanEngine:
 
     def _load(self) -> int:
         """Load the latest DCP checkpoint of output_dir if any (resume), else the HF weights."""
-        if not self.cfg.checkpoint.resume and os.path.isdir(self.checkpointer.folder):
+        folder = self.checkpointer.folder
+        if not self.cfg.checkpoint.resume and os.path.isdir(folder):
+            raise ValueError(f"checkpoint.resume=False but {folder} exists; remove it or set trainer.output_dir")
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:  # step-N folders
+            partial = name.startswith("step-") and not os.path.isfile(os.path.join(folder, name, ".metadata"))
+            if partial and dist.get_rank() == 0:  # torchtitan skips it too, without a word
+                print(f"skipping checkpoint {os.path.join(folder, name)}: incomplete (no .metadata)", flush=True)
+        try:
+            self.checkpointer.load()
+        except RuntimeError as error:  # DCP: a checkpoint of another model (shapes, names)
             raise ValueError(
-                f"checkpoint.resume=False but {self.checkpointer.folder} exists; remove it or set trainer.output_dir"
-            )
-        self.checkpointer.load()
+                f"trainer.output_dir={self.cfg.trainer.output_dir}: its checkpoint does not fit this model "
+                f"({str(error).strip().splitlines()[-1][:200]}); choose a fresh trainer.output_dir"
+            ) from None
         return self.trainer.step
 
     # ------------------------------------------------------------------ data parallel

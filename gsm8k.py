@@ -5,6 +5,7 @@ A task is three things: `load_problems(source)` -> [{"question", "ground_truth"}
 """
 
 import json
+import os
 import random
 import re
 
@@ -17,13 +18,17 @@ def ground_truth_of(answer: str) -> str:
     return answer.split("#### ")[-1].strip().replace(",", "")
 
 
-def load_problems(source: str, seed: int = 0, count: int = 2000) -> list[dict]:
-    """Problems from a jsonl/parquet path (openai or verl schema), a hub name, or 'synthetic'."""
+def load_problems(source: str, split: str = "train", seed: int = 0, count: int = 2000) -> list[dict]:
+    """Problems from a jsonl/parquet path (openai or verl schema), a hub name (its `split`), or 'synthetic'.
+
+    Raises ValueError naming the file (and line or row) for a missing, empty or malformed source.
+    """
     if source == "synthetic":
         return synthetic_problems(count, seed)
+    if source.endswith((".jsonl", ".parquet")) and not os.path.isfile(source):
+        raise ValueError(f"{source} does not exist")
     if source.endswith(".jsonl"):
-        with open(source) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _read_jsonl(source)
     elif source.endswith(".parquet"):
         import pandas as pd
 
@@ -31,15 +36,35 @@ def load_problems(source: str, seed: int = 0, count: int = 2000) -> list[dict]:
     else:  # a hub dataset name, e.g. openai/gsm8k (needs network)
         import datasets
 
-        rows = list(datasets.load_dataset(source, "main", split="train"))
-    return [_problem_from_row(row) for row in rows]
+        rows = list(datasets.load_dataset(source, "main", split=split))
+    if not rows:
+        raise ValueError(f"{source} has no rows")
+    return [_problem_from_row(row, source, index) for index, row in enumerate(rows, 1)]
 
 
-def _problem_from_row(row: dict) -> dict:
-    if "question" in row:  # openai/grade-school-math jsonl
+def _read_jsonl(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number} is not JSON ({error})") from None
+    return rows
+
+
+def _problem_from_row(row: dict, source: str, index: int) -> dict:
+    if "question" in row and "answer" in row:  # openai/grade-school-math jsonl
         return {"question": row["question"], "ground_truth": ground_truth_of(row["answer"])}
-    # verl's preprocessed parquet: question in extra_info, answer in reward_model
-    return {"question": row["extra_info"]["question"], "ground_truth": str(row["reward_model"]["ground_truth"])}
+    try:  # verl's preprocessed parquet: question in extra_info, answer in reward_model
+        return {"question": row["extra_info"]["question"], "ground_truth": str(row["reward_model"]["ground_truth"])}
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{source} row {index} has neither question/answer (openai GSM8K) nor extra_info.question/"
+            f"reward_model.ground_truth (verl parquet); its keys: {sorted(row)}"
+        ) from None
 
 
 def synthetic_problems(count: int, seed: int) -> list[dict]:

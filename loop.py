@@ -22,7 +22,7 @@ import torch.distributed as dist
 import gsm8k
 import grpo
 from config import Config, parse_cli, validate
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack, to_device
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, load_model_dir, pack, to_device
 from rollout import Rollout, build_rollout
 
 
@@ -338,16 +338,20 @@ def perf_metrics(engine, samples, timings) -> dict[str, float]:
 
 
 def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]:
-    """Greedy mean@1 reward on the validation prompts."""
+    """Greedy mean@1 reward on the validation prompts, with a progress line per chunk."""
     items = val_set.items[: cfg.data.max_val_samples] if cfg.data.max_val_samples > 0 else val_set.items
+    per_rank = -(-len(items) // engine.dp_size)
     mine = items[engine.dp_rank::engine.dp_size]
+    padded = mine + [items[0]] * (per_rank - len(mine))  # every rank runs the same generate calls (lockstep)
     total = 0.0
-    for start in range(0, len(mine), cfg.data.val_batch_size):
-        chunk = mine[start:start + cfg.data.val_batch_size]
+    for start in range(0, per_rank, cfg.data.val_batch_size):
+        chunk = padded[start:start + cfg.data.val_batch_size]
         rollout = share_within_model_parallel(engine, sampler.generate([ids for ids, _ in chunk], 1, greedy=True, seed=0))
         texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        total += sum(gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
-                     for t, (_, g) in zip(texts, chunk))
+        scores = [gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
+                  for t, (_, g) in zip(texts, chunk)]
+        total += sum(scores[:max(len(mine) - start, 0)])  # padding does not count
+        log(f"validation: {min((start + len(chunk)) * engine.dp_size, len(items))}/{len(items)} prompts")
     summed = engine.dp_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64)).tolist()
     return {"val-core/openai/gsm8k/reward/mean@1": summed[0] / max(summed[1], 1.0)}
 
@@ -414,18 +418,53 @@ class Run:
 
 
 def build_run(cfg: Config) -> Run:
-    """Validate the config, then build the engine(s), the prompt sets and the sampler (synced)."""
+    """Check the config, the output dir and the data; then build the engine(s) and the sampler (synced)."""
     from transformers import AutoTokenizer
 
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    lock_output_dir(cfg.trainer.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(load_model_dir(cfg.model.path))
+    train_set = PromptSet(load_data(cfg, "train"), tokenizer, cfg, "train")
+    val_set = PromptSet(load_data(cfg, "val"), tokenizer, cfg, "val")
     torch.manual_seed(cfg.trainer.seed)
     engine = TorchTitanEngineWithLMHead(cfg)
     ref_engine = build_reference(cfg) if cfg.algorithm.use_kl_loss else None
-    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
-    train_set = PromptSet(gsm8k.load_problems(cfg.data.train_files, seed=cfg.data.seed), tokenizer, cfg, "train")
-    val_set = PromptSet(gsm8k.load_problems(cfg.data.val_files, seed=cfg.data.seed + 1), tokenizer, cfg, "val")
     sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))  # holds the trainer's weights
     return Run(engine, ref_engine, tokenizer, train_set, val_set, sampler)
+
+
+def load_data(cfg: Config, name: str) -> list[dict]:
+    """The problems of data.train_files or data.val_files; bad data is a one-line error naming the setting."""
+    setting, source = f"data.{name}_files", getattr(cfg.data, f"{name}_files")
+    try:
+        return gsm8k.load_problems(source, split="train" if name == "train" else "test",
+                                   seed=cfg.data.seed + (name == "val"))
+    except ValueError as error:
+        raise ValueError(f"{setting}: {error}") from None
+
+
+_output_dir_lock = None  # held open for the life of the process
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Rank 0 holds an exclusive lock on output_dir: a second run there stops at once, not racing the first."""
+    import fcntl
+
+    global _output_dir_lock
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    handle = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise RuntimeError(f"trainer.output_dir={output_dir} is in use by another run (pid {handle.read().strip()}); "
+                           "stop that run or choose another trainer.output_dir") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _output_dir_lock = handle
 
 
 def train(cfg: Config) -> dict[str, float]:

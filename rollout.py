@@ -91,7 +91,7 @@ class VLLMRollout:
         with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
                                    else []):
             torch.manual_seed(seed)
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=dist.get_rank() == 0)  # a progress bar
         rollout = Rollout([], [], [], [])
         for prompt, output in zip(prompt_ids, outputs):
             for sample in output.outputs:

@@ -172,8 +172,30 @@ def test_spmd_backends_agree_in_one_process(dense_dir, tmp_path):
     assert torch.allclose(runs[1]["logprobs"], runs[0]["logprobs"], atol=1e-4)
 
 
-def test_moe_with_expert_parallel_trains(tmp_path):
-    """Tiny Qwen3-MoE, EP=2 (x FSDP=2): a step runs and matches the one-process step."""
+def hf_logprobs_with(model_dir, weights, checkpoint_dir, temperature=0.9):
+    """Log-probs of engine_worker's fixed batch (packed order, 0 at each sequence end) by HF transformers
+    (float32) loading `weights` as a checkpoint (transformers 5 fuses the experts on load)."""
+    import shutil
+
+    from engine_worker import fixed_batch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model_dir, checkpoint_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, f"{checkpoint_dir}/model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for s in fixed_batch(hf.config.vocab_size):
+            logp = torch.log_softmax(hf(s[None]).logits[0] / temperature, -1)
+            out.append(torch.cat([logp[:-1].gather(-1, s[1:, None])[:, 0], torch.zeros(1)]))
+    return torch.cat(out)
+
+
+def test_moe_matches_hf_after_optimizer_steps_with_and_without_expert_parallel(tmp_path):
+    """Tiny Qwen3-MoE, one process and EP=2 (x FSDP=2): first step equal; after two optimizer steps the
+    engine's log-probs equal HF's (float32, < 1e-4) holding the exported weights: experts compute in float32
+    and routing carries no load-balancing bias that the export would drop."""
     moe = make_tiny_qwen3(str(tmp_path / "moe"), moe=True, tie=False)
     one = torchrun(1, tmp_path / "moe1.pt", moe)
     ep = torchrun(2, tmp_path / "moe_ep2.pt", moe, "--parallelism.expert_parallel_degree", "2",
@@ -181,6 +203,9 @@ def test_moe_with_expert_parallel_trains(tmp_path):
     assert ep["loss"][0] == pytest.approx(one["loss"][0], rel=1e-5)
     assert ep["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=1e-4)
     assert any(".mlp.experts.3.down_proj.weight" in k for k in ep["weights"])
+    for name, run in (("one", one), ("ep", ep)):
+        want = hf_logprobs_with(moe, run["weights"], tmp_path / f"hf_{name}")
+        assert (run["logprobs"] - want).abs().max() < 1e-4
 
 
 def run_python(code, port):

@@ -53,3 +53,29 @@ def test_verl_parquet_schema(tmp_path):
     pd.DataFrame([{"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "18"},
                    "extra_info": {"question": "What is 9+9?", "answer": "#### 18"}}]).to_parquet(path)
     assert gsm8k.load_problems(str(path)) == [{"question": "What is 9+9?", "ground_truth": "18"}]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "has no rows"),
+    ('{"question": "q", "answer": "#### 1"}\n{"question": \n', "line 2 is not JSON"),
+    ('{"prompt": "q", "answer": "#### 1"}\n', "row 1 has neither question/answer"),
+])
+def test_bad_data_file_names_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{path}.*{message}"):
+        gsm8k.load_problems(str(path))
+
+
+def test_missing_data_file(tmp_path):
+    with pytest.raises(ValueError, match="no.jsonl does not exist"):
+        gsm8k.load_problems(str(tmp_path / "no.jsonl"))
+
+
+def test_parquet_of_another_schema(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "other.parquet"
+    pd.DataFrame({"text": ["a"], "label": [1]}).to_parquet(path)
+    with pytest.raises(ValueError, match=r"row 1 has neither .* its keys: \['label', 'text'\]"):
+        gsm8k.load_problems(str(path))

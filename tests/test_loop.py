@@ -31,6 +31,9 @@ def tasks(tmp_path_factory):
     return str(path)
 
 
+LAST_STDOUT = [""]
+
+
 def train(model_dir, data, out, steps, *extra, port=29581, nproc=1):
     args = ["--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32",
             "--rollout.name", "native", "--data.train_files", data, "--data.val_files", data,
@@ -43,6 +46,7 @@ def train(model_dir, data, out, steps, *extra, port=29581, nproc=1):
            os.path.join(ROOT, "loop.py"), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    LAST_STDOUT[:] = [result.stdout]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -112,11 +116,54 @@ def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path, nproc)
 
 
 def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
-    """A run stopped after step 2 and resumed gives step 3's metrics of an uninterrupted run (rel 1e-5)."""
+    """A run stopped after step 2 and resumed gives step 3's metrics of an uninterrupted run (rel 1e-5).
+
+    The stop is made untidy: metrics.jsonl already has a row for step 3 (killed after writing it, before its
+    checkpoint) and checkpoint/step-3 holds no .metadata (killed mid-save). The resume says it skips that folder,
+    and metrics.jsonl ends with one row per step, as the uninterrupted run's.
+    """
     straight = train(model_dir, tasks, tmp_path / "straight", 3, port=29582)
-    train(model_dir, tasks, tmp_path / "resumed", 2, "--checkpoint.save_freq", "2", port=29583)
-    resumed = train(model_dir, tasks, tmp_path / "resumed", 3, "--checkpoint.save_freq", "2", port=29584)
+    out = tmp_path / "resumed"
+    train(model_dir, tasks, out, 2, "--checkpoint.save_freq", "2", port=29583)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "critic/score/mean": -1.0}) + "\n")
+    os.makedirs(out / "checkpoint" / "step-3")
+    resumed = train(model_dir, tasks, out, 3, "--checkpoint.save_freq", "2", port=29584)
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [0, 1, 2, 3]
+    assert f"skipping checkpoint {out / 'checkpoint' / 'step-3'}: incomplete" in LAST_STDOUT[0]
     want, got = straight[-1], resumed[-1]
-    assert got["step"] == want["step"] == 3
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/entropy"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_fresh_run_starts_a_fresh_metrics_file(tmp_path, monkeypatch):
+    import loop
+
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    loop.MetricsLog(str(tmp_path), resumed_step=2)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    loop.MetricsLog(str(tmp_path), resumed_step=0)
+    assert open(tmp_path / "metrics.jsonl").read() == ""
+
+
+def test_a_second_run_in_the_same_output_dir_stops_at_once(tmp_path):
+    import loop
+
+    loop.lock_output_dir(str(tmp_path))
+    with pytest.raises(RuntimeError, match=f"trainer.output_dir={tmp_path} is in use by another run \\(pid {os.getpid()}\\)"):
+        loop.lock_output_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "data.train_files: .* has no rows"),
+    ("{oops\n", "data.train_files: .* line 1 is not JSON"),
+])
+def test_bad_data_names_the_setting(tmp_path, content, message):
+    import loop
+    from config import parse_cli
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        loop.load_data(parse_cli(["--data.train_files", str(path)]), "train")
