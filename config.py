@@ -120,7 +120,7 @@ class AlgorithmConfig:
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    kl_loss_type: str = "low_var_kl"  # verl's: k1/kl, abs, k2/mse, k3/low_var_kl; "+": k2 gradient (e.g. k3+)
     entropy_coeff: float = 0.0
     tis_cap: float | None = None  # truncated importance sampling cap C (rollout vs trainer); None: off
 
@@ -322,7 +322,7 @@ def _validate_output_dir(path: str) -> None:
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
 
 
 def _validate_attention(attn_type: str, device: str) -> None:

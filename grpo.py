@@ -65,16 +65,26 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate: k1, k2, or k3 / low_var_kl (Schulman's, clamped to ±10)."""
+    """Per-token KL(pi || ref) estimate, verl's names: k1 / kl, abs, k2 / mse, k3 / low_var_kl
+    (Schulman's, clamped to ±10). A "+" suffix (k3+, k1+, ...) keeps the value and takes k2's
+    gradient, the unbiased one of KL (straight-through)."""
     log_ratio = logprobs - ref_logprobs
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):
+    base = kind.removesuffix("+")
+    if base in ("k1", "kl"):
+        value = log_ratio
+    elif base == "abs":
+        value = log_ratio.abs()
+    elif base in ("k2", "mse"):
+        value = 0.5 * log_ratio.square()
+    elif base in ("k3", "low_var_kl"):
         neg = (-log_ratio).clamp(-20.0, 20.0)
-        return (torch.exp(neg) - neg - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"algorithm.kl_loss_type={kind!r} is unknown")
+        value = (torch.exp(neg) - neg - 1).clamp(-10.0, 10.0)
+    else:
+        raise ValueError(f"algorithm.kl_loss_type={kind!r} is unknown")
+    if kind.endswith("+") and base not in ("k2", "mse"):
+        k2 = 0.5 * log_ratio.square()
+        return value.detach() + (k2 - k2.detach())
+    return value
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -91,11 +101,13 @@ def rollout_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor)
 
 
 def grpo_token_loss(logprobs, old_logprobs, advantages, weights, algo, entropy=None, ref_logprobs=None,
-                    rollout_logprobs=None):
-    """The weighted GRPO loss of one micro-batch (a scalar) and its weighted metrics.
+                    rollout_logprobs=None, token_share: float | None = None):
+    """The weighted GRPO loss of one micro-batch (a scalar) and its metrics.
 
-    `weights` are per-token (0 on prompt and padding tokens); summed over every micro-batch
-    and DP rank, the returned loss and metrics are the mini-batch values.
+    `weights` are per-token loss weights (they carry loss_agg_mode); `token_share` is 1 / the
+    mini-batch's response tokens (default: token-mean weights). Summed over every micro-batch and
+    DP rank, the loss, pg_loss, entropy and kl_loss are aggregated like the loss (verl), while
+    pg_clipfrac(_lower) and ppo_kl are token means under every mode (verl's meaning: a fraction).
     """
     pg, clipped, clipped_lower, approx_kl = policy_loss(
         logprobs, old_logprobs, advantages, algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c
@@ -103,11 +115,12 @@ def grpo_token_loss(logprobs, old_logprobs, advantages, weights, algo, entropy=N
     if algo.tis_cap is not None and rollout_logprobs is not None:
         pg = pg * truncated_is_weights(old_logprobs, rollout_logprobs, algo.tis_cap)
     loss = (weights * pg).sum()
+    share = weights if token_share is None else token_share
     metrics = {
         "actor/pg_loss": loss.detach(),
-        "actor/pg_clipfrac": (weights * clipped).sum(),
-        "actor/pg_clipfrac_lower": (weights * clipped_lower).sum(),
-        "actor/ppo_kl": (weights * approx_kl).sum().detach(),
+        "actor/pg_clipfrac": (share * clipped).sum(),
+        "actor/pg_clipfrac_lower": (share * clipped_lower).sum(),
+        "actor/ppo_kl": (share * approx_kl).sum().detach(),
     }
     if entropy is not None:
         entropy_mean = (weights * entropy).sum()

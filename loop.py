@@ -171,7 +171,7 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
         weights, advantages, rollout_lp = (on_device[k] for k in ("weights", "advantages", "rollout"))
         entropy = torch.cat(entropies) if entropies[0] is not None else None
         return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, entropy, on_device.get("ref"),
-                                    rollout_lp)
+                                    rollout_lp, token_share=1.0 / global_tokens)
 
     return loss_fn
 

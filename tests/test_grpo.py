@@ -60,18 +60,31 @@ def test_policy_loss_with_dual_clip():
     assert any(g == pytest.approx(-a * 3.0) for g, a in zip(got[dual].tolist(), adv[dual].tolist()))
 
 
-@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("kind", ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k2+", "mse+"])
 def test_kl_penalty(kind):
     lp, ref = torch.randn(50, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
     want = []
     for a, b in zip(lp.tolist(), ref.tolist()):
-        if kind == "k1":
+        if kind in ("k1", "kl"):
             want.append(a - b)
-        elif kind == "k2":
+        elif kind == "abs":
+            want.append(abs(a - b))
+        elif kind.rstrip("+") in ("k2", "mse"):
             want.append(0.5 * (a - b) ** 2)
         else:
             want.append(min(max(math.exp(b - a) - (b - a) - 1, -10), 10))
     assert torch.allclose(grpo.kl_penalty(lp, ref, kind), torch.tensor(want, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kind", ["k1+", "kl+", "abs+", "k3+", "low_var_kl+"])
+def test_kl_penalty_straight_through_takes_k2_gradient(kind):
+    """verl's "+" names: the value of the estimator, the gradient of k2 (d/dlp = lp - ref)."""
+    lp = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(50, dtype=torch.float64)
+    value = grpo.kl_penalty(lp, ref, kind)
+    assert torch.allclose(value, grpo.kl_penalty(lp, ref, kind.rstrip("+")))
+    value.sum().backward()
+    assert torch.allclose(lp.grad, (lp - ref).detach())
 
 
 def test_truncated_is_weights():
@@ -117,3 +130,30 @@ def test_grpo_token_loss_adds_kl_and_entropy():
     want = pg - 0.01 * (weights * entropy).sum() + 0.1 * (weights * (lp - ref)).sum()
     assert loss.item() == pytest.approx(want.item(), abs=1e-6)
     assert metrics["actor/pg_loss"].item() == pytest.approx(pg.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_clipfrac_and_ppo_kl_are_token_means_under_every_mode(mode):
+    """Summed over micro-batches, pg_clipfrac is the fraction of clipped tokens and ppo_kl the token mean of
+    old - new log-prob, whatever loss_agg_mode weights the loss with (float64 reference)."""
+    algo = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tis_cap=None,
+                           entropy_coeff=0.0, use_kl_loss=False)
+    lengths = [3, 7, 1, 5]
+    tokens, seqs = float(sum(lengths)), float(len(lengths))
+    lp, old = torch.randn(int(tokens), dtype=torch.float64), torch.randn(int(tokens), dtype=torch.float64)
+    adv = torch.randn(len(lengths), dtype=torch.float64).repeat_interleave(torch.tensor(lengths))
+    clipped = grpo.policy_loss(lp, old, adv, 0.2, 0.2, 3.0)[1]
+    totals, start = {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}, 0
+    for part in ([0, 1], [2, 3]):
+        n = sum(lengths[i] for i in part)
+        window = slice(start, start + n)
+        weights = grpo.token_weights(torch.tensor([lengths[i] for i in part]), mode, tokens, seqs, 8)
+        weights = weights.double().repeat_interleave(torch.tensor([lengths[i] for i in part]))
+        _, metrics = grpo.grpo_token_loss(lp[window], old[window], adv[window], weights, algo, token_share=1 / tokens)
+        for key in totals:
+            totals[key] += metrics[key].item()
+        start += n
+    assert 0 < totals["actor/pg_clipfrac"] < 1
+    assert totals["actor/pg_clipfrac"] == pytest.approx(clipped.double().mean().item(), rel=1e-12)
+    assert totals["actor/ppo_kl"] == pytest.approx((old - lp).mean().item(), rel=1e-9)
