@@ -126,3 +126,27 @@ got, want = engine_logprobs(sampled)
 print("NATIVE", (got - want).abs().max().item())
 """, 29572)
     assert float(out.split("NATIVE")[1].split()[0]) < 1e-5
+
+
+def test_hf_export_chats_and_serves_in_vllm(model_dir, tmp_path):
+    """After a training step, the exported dir keeps the chat template, and vLLM (CPU) greedy-decodes it
+    as HF transformers does."""
+    pytest.importorskip("vllm")
+    out = run(PRELUDE.format(root=ROOT, here=HERE, model=model_dir, out=str(tmp_path / "o"), name="native") + """
+train_one_step()
+export = engine.export_hf(1)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+chat = AutoTokenizer.from_pretrained(export).apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
+                                                                 add_generation_prompt=True, tokenize=True)
+prompt = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+want = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=-1)[0, len(prompt):]
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=export, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=64)
+got = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(temperature=0, max_tokens=5,
+                   ignore_eos=True))[0].outputs[0].token_ids
+print("SERVED", list(got), want.tolist())
+""", 29573)
+    served, want = out.split("SERVED ")[1].splitlines()[0].split("] [")
+    assert served + "]" == "[" + want, (served, want)
