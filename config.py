@@ -5,6 +5,7 @@ Sections mirror torchtitan where they overlap (`parallelism`, `activation_checkp
 `validate(cfg, world_size)` rejects bad input with one line before any heavy work.
 """
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -148,6 +149,9 @@ class TrainerConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     seed: int = 42
     val_before_train: bool = True
+    logger: tuple[Literal["console", "tensorboard", "wandb"], ...] = ("console",)  # verl's trainer.logger; jsonl always
+    project_name: str = "titan-grpo"  # wandb project (verl's name)
+    experiment_name: str = "gsm8k_grpo"  # wandb run name; TensorBoard writes to output_dir/tensorboard
 
 
 @dataclass
@@ -266,6 +270,10 @@ def validate(cfg: Config, world_size: int) -> None:
             f"ranks; make it (and data.train_batch_size) a multiple of {dp}"
         )
     _validate_output_dir(cfg.trainer.output_dir)
+    for logger, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if logger in cfg.trainer.logger and importlib.util.find_spec(module) is None:
+            raise ValueError(f"trainer.logger has {logger} but the {module} package is not installed; "
+                             f"pip install {module} or drop it from trainer.logger")
     if cfg.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"algorithm.loss_agg_mode={cfg.algorithm.loss_agg_mode!r} is unknown; use one of {LOSS_AGG_MODES}")
     if cfg.algorithm.kl_loss_type not in KL_TYPES:

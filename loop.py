@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -357,34 +357,63 @@ def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]
 
 
 class MetricsLog:
-    """One console line per step and a metrics.jsonl in the output dir (rank 0).
+    """metrics.jsonl in the output dir, plus trainer.logger's console line, TensorBoard, wandb (rank 0).
 
     A fresh run starts a fresh file; a resumed one keeps the rows up to the step it resumed from
     (rows of steps it redoes would otherwise appear twice).
     """
 
-    def __init__(self, output_dir: str, resumed_step: int):
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+    CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("val-core/openai/gsm8k/reward/mean@1", "val", "{:.3f}"),
+               ("actor/pg_loss", "pg_loss", "{:.4g}"), ("actor/entropy", "entropy", "{:.3f}"),
+               ("actor/grad_norm", "grad_norm", "{:.3g}"), ("response_length/mean", "response_len", "{:.0f}"),
+               ("rollout_corr/abs_logprob_diff", "mismatch", "{:.2g}"), ("timing_s/gen", "gen_s", "{:.1f}"),
+               ("timing_s/update_actor", "update_s", "{:.1f}"), ("timing_s/step", "step_s", "{:.1f}"),
+               ("perf/throughput", "tok/s/gpu", "{:.0f}"), ("perf/mfu/actor", "mfu", "{:.1%}"))
+
+    def __init__(self, cfg: Config, resumed_step: int):
+        out = cfg.trainer.output_dir
+        self.path, self.loggers = os.path.join(out, "metrics.jsonl"), cfg.trainer.logger
         self.rank0 = dist.get_rank() == 0
         if not self.rank0:
             return
-        os.makedirs(output_dir, exist_ok=True)
+        os.makedirs(out, exist_ok=True)
         kept = []
         if resumed_step > 0 and os.path.isfile(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=resumed_step + 1)
+        if "wandb" in self.loggers:  # WANDB_MODE=offline etc. are wandb's own switches
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name, dir=out,
+                                    config=asdict(cfg), resume="allow")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.rank0:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        keys = ["critic/score/mean", "val-core/openai/gsm8k/reward/mean@1", "actor/pg_loss", "actor/entropy",
-                "actor/grad_norm", "response_length/mean", "timing_s/step", "perf/throughput", "perf/mfu/actor"]
-        shown = " ".join(f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in keys if k in metrics)
-        print(f"step {step}: {shown}", flush=True)
+        if "console" in self.loggers:
+            shown = " ".join(f"{name}={fmt.format(metrics[key])}" for key, name, fmt in self.CONSOLE if key in metrics)
+            print(f"step {step}: {shown}", flush=True)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.rank0 and self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.rank0 and self.wandb is not None:
+            self.wandb.finish()
 
 
 def log(message: str) -> None:
@@ -471,7 +500,7 @@ def train(cfg: Config) -> dict[str, float]:
     """Run GRPO for trainer.total_training_steps; returns the last step's metrics."""
     run = build_run(cfg)
     engine, sampler, tokenizer = run.engine, run.sampler, run.tokenizer
-    metrics_log = MetricsLog(cfg.trainer.output_dir, engine.loaded_step)
+    metrics_log = MetricsLog(cfg, engine.loaded_step)
     first = engine.loaded_step + 1
     if first > 1:
         log(f"resumed from step {engine.loaded_step}")
@@ -488,6 +517,7 @@ def train(cfg: Config) -> dict[str, float]:
             engine.save_checkpoint(step)
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
         log(f"exported HF weights to {engine.export_hf(cfg.trainer.total_training_steps)}")
+    metrics_log.close()
     dist.barrier()
     sampler.close()  # before the process group goes: vLLM's teardown frees its memory pools and groups
     return metrics

@@ -2,6 +2,8 @@
 # GRPO on GSM8K with TorchTitan + vLLM. Documented runs:
 #   NUM_GPUS=4 FSDP_SIZE=2 TP_SIZE=2 bash run.sh
 #   NUM_GPUS=4 FSDP_SIZE=4 bash run.sh
+#   2 nodes x 8 GPUs, HSDP (replicas across nodes, FSDP inside), on each node with its NODE_RANK:
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NUM_GPUS=8 DP_REPLICATE=2 FSDP_SIZE=8 bash run.sh
 # With no GPU (and no MODEL_PATH) it runs a short CPU demo on a tiny random Qwen3, in as many processes
 # as FSDP_SIZE x TP_SIZE x CP_SIZE ask for. Extra args (--section.field value) pass through to loop.py.
 set -euo pipefail
@@ -14,19 +16,25 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON  # an environment of your own, with the
 elif [ "$NUM_GPUS" -gt 0 ]; then ensure_gpu_env; PY=.venv/bin/python
 else ensure_cpu_env; PY=.venv/bin/python; fi
 
-FSDP_SIZE=${FSDP_SIZE:--1} TP_SIZE=${TP_SIZE:-1} EP_SIZE=${EP_SIZE:-1} CP_SIZE=${CP_SIZE:-1}
+FSDP_SIZE=${FSDP_SIZE:--1} TP_SIZE=${TP_SIZE:-1} EP_SIZE=${EP_SIZE:-1} CP_SIZE=${CP_SIZE:-1} DP_REPLICATE=${DP_REPLICATE:-1}
 ATTN_TYPE=${ATTN_TYPE:-flex} AC_MODE=${AC_MODE:-selective} SPMD_BACKEND=${SPMD_BACKEND:-auto}
 COMPILE=${COMPILE:-$([ "$NUM_GPUS" -gt 0 ] && echo True || echo False)}  # per-block torch.compile: ~2x on GPU (bench.py)
 TRAIN_FILES=${TRAIN_FILES:-../shared/data/gsm8k/train.jsonl} VAL_FILES=${VAL_FILES:-../shared/data/gsm8k/test.jsonl}
 TOTAL_TRAIN_STEPS=${TOTAL_TRAIN_STEPS:-100} SAVE_FREQ=${SAVE_FREQ:-20} TEST_FREQ=${TEST_FREQ:-10}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512} MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-256}
-OUTPUT_DIR=${OUTPUT_DIR:-outputs/gsm8k_grpo}
-# processes: one per GPU; on CPU, as many as the parallel sizes ask for (FSDP_SIZE -1 counts as 1)
-NPROC=$(( NUM_GPUS > 0 ? NUM_GPUS : (FSDP_SIZE > 0 ? FSDP_SIZE : 1) * TP_SIZE * CP_SIZE ))
-PARALLEL_ARGS=(--parallelism.data_parallel_shard_degree "$FSDP_SIZE" --parallelism.tensor_parallel_degree "$TP_SIZE"
+NNODES=${NNODES:-1} NODE_RANK=${NODE_RANK:-0} MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
+# processes per node: one per GPU; on CPU, the parallel sizes' product (FSDP_SIZE -1 counts as 1) over the nodes
+NPROC=$(( NUM_GPUS > 0 ? NUM_GPUS : DP_REPLICATE * (FSDP_SIZE > 0 ? FSDP_SIZE : 1) * TP_SIZE * CP_SIZE / NNODES ))
+PARALLEL_ARGS=(--parallelism.data_parallel_replicate_degree "$DP_REPLICATE"
+  --parallelism.data_parallel_shard_degree "$FSDP_SIZE" --parallelism.tensor_parallel_degree "$TP_SIZE"
   --parallelism.expert_parallel_degree "$EP_SIZE" --parallelism.context_parallel_degree "$CP_SIZE"
   --parallelism.spmd_backend "$SPMD_BACKEND")
-TORCHRUN=($PY -m torch.distributed.run --standalone --nproc_per_node="$NPROC")
+if [ "$NNODES" -gt 1 ]; then  # static rendezvous: node NODE_RANK holds global ranks NODE_RANK*NPROC ...
+  LAUNCH=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+else
+  LAUNCH=(--standalone)
+fi
+TORCHRUN=($PY -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node="$NPROC")
 
 if [ "$NUM_GPUS" -eq 0 ] && [ -z "${MODEL_PATH:-}" ]; then
   echo "[titan-grpo] no GPU and no MODEL_PATH: running the CPU DEMO in $NPROC process(es) (tiny random Qwen3 with"
@@ -38,7 +46,7 @@ make_tiny_qwen3('$DEMO_DIR', tokenizer='qwen3', layers=2, hidden=128, heads=2, k
     --trainer.device cpu "${PARALLEL_ARGS[@]}" --rollout.name native --data.train_files synthetic \
     --data.val_files synthetic --data.max_val_samples 8 --data.train_batch_size 4 --actor.ppo_mini_batch_size 4 \
     --rollout.n 4 --data.max_prompt_length 128 --data.max_response_length 16 --actor.max_tokens_per_micro_batch 2048 \
-    --trainer.total_training_steps 3 --trainer.output_dir outputs/demo --checkpoint.export_hf False "$@"
+    --trainer.total_training_steps 3 --trainer.output_dir "${OUTPUT_DIR:-outputs/demo}" --checkpoint.export_hf False "$@"
 fi
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-0.6B}
@@ -58,4 +66,4 @@ exec "${TORCHRUN[@]}" loop.py \
   --algorithm.clip_ratio_low 0.2 --algorithm.clip_ratio_high 0.2 --algorithm.use_kl_loss False \
   --algorithm.entropy_coeff 0 --trainer.total_training_steps "$TOTAL_TRAIN_STEPS" \
   --trainer.test_freq "$TEST_FREQ" --checkpoint.save_freq "$SAVE_FREQ" \
-  --trainer.output_dir "$OUTPUT_DIR" "${DEVICE_ARGS[@]}" "$@"
+  --trainer.output_dir "${OUTPUT_DIR:-outputs/gsm8k_grpo}" "${DEVICE_ARGS[@]}" "$@"

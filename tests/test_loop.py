@@ -122,7 +122,9 @@ def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
     checkpoint) and checkpoint/step-3 holds no .metadata (killed mid-save). The resume says it skips that folder,
     and metrics.jsonl ends with one row per step, as the uninterrupted run's.
     """
-    straight = train(model_dir, tasks, tmp_path / "straight", 3, port=29582)
+    straight = train(model_dir, tasks, tmp_path / "straight", 3, "--trainer.logger", "console", "tensorboard",
+                     port=29582)
+    assert_tensorboard_equals_jsonl(tmp_path / "straight", straight)
     out = tmp_path / "resumed"
     train(model_dir, tasks, out, 2, "--checkpoint.save_freq", "2", port=29583)
     with open(out / "metrics.jsonl", "a") as f:
@@ -136,14 +138,29 @@ def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
+def assert_tensorboard_equals_jsonl(out, rows):
+    """Every metric of every metrics.jsonl row is a TensorBoard scalar at its step, with its value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                logged = {e.step: e.value for e in events.Scalars(key)}
+                assert logged[row["step"]] == pytest.approx(value, rel=1e-6, abs=1e-7), (key, row["step"])
+
+
 def test_a_fresh_run_starts_a_fresh_metrics_file(tmp_path, monkeypatch):
     import loop
 
+    from config import parse_cli
+
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    cfg = parse_cli(["--trainer.output_dir", str(tmp_path)])
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
-    loop.MetricsLog(str(tmp_path), resumed_step=2)
+    loop.MetricsLog(cfg, resumed_step=2)
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
-    loop.MetricsLog(str(tmp_path), resumed_step=0)
+    loop.MetricsLog(cfg, resumed_step=0)
     assert open(tmp_path / "metrics.jsonl").read() == ""
 
 

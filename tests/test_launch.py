@@ -1,0 +1,45 @@
+"""run.sh as users launch it: the CPU demo in two processes, and across two torchrun "nodes"."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_STEP = ["--trainer.total_training_steps", "1", "--trainer.val_before_train", "False"]
+
+
+def run_sh(out, env, *, wait=True):
+    env = {**os.environ, "PYTHON": sys.executable, "NUM_GPUS": "0", "FSDP_SIZE": "2", "OUTPUT_DIR": str(out), **env}
+    process = subprocess.Popen(["bash", "run.sh", *ONE_STEP], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return finish(process, out) if wait else process
+
+
+def finish(process, out):
+    stdout, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
+    """NNODES=2 (one process each, static rendezvous on 127.0.0.1) gives the same GRPO step as one node
+    running both processes: same reward, loss, gradient norm and entropy."""
+    single = run_sh(tmp_path / "single", {})
+    port = str(free_port())
+    nodes = [run_sh(tmp_path / "nodes", {"NNODES": "2", "NODE_RANK": str(rank), "MASTER_PORT": port}, wait=False)
+             for rank in (0, 1)]
+    multi = [finish(process, tmp_path / "nodes") for process in nodes][0]
+    assert [r["step"] for r in multi] == [r["step"] for r in single] == [1]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+        assert multi[0][key] == pytest.approx(single[0][key], rel=1e-6, abs=1e-9), key
