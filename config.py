@@ -339,12 +339,25 @@ def _validate_attention(attn_type: str, device: str) -> None:
             f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
             "use --model.attn_type sdpa on CPU"
         )
-    if attn_type == "flex_flash" and not (
-        torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-    ):
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    if attn_type == "flex_flash" and capability < (9, 0):
         raise ValueError(
             "model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex"
         )
+    # the kernels torch loads for these on Hopper / Blackwell ship outside the pinned set (no registry wheel)
+    needed = {"flex_flash": ("flash_attn.cute", "flash-attn-4 (FA4's CuTe kernels)")}
+    if attn_type == "varlen" and capability >= (9, 0):
+        needed["varlen"] = (("flash_attn_interface", "FA3's flash_attn_interface (built from flash-attention's hopper/)")
+                            if capability < (10, 0) else ("flash_attn.cute", "flash-attn-4 (FA4)"))
+    if attn_type in needed and not _importable(needed[attn_type][0]):
+        raise ValueError(f"model.attn_type={attn_type} needs {needed[attn_type][1]}, which is not installed; use flex")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
 
 
 def _validate_model_dir(path: str) -> None:

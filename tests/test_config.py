@@ -73,3 +73,18 @@ def test_relative_model_path_typo_is_not_taken_for_a_hub_id(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="model.path=models/x does not exist"):
         validate(parse_cli(GOOD + ["--model.path", "models/x"]), 1)
     validate(parse_cli(GOOD + ["--model.path", "Qwen/Qwen3-0.6B"]), 1)  # a hub id passes (downloaded later)
+
+
+@pytest.mark.parametrize("attn,capability,message", [
+    ("varlen", (9, 0), "model.attn_type=varlen needs FA3's flash_attn_interface"),
+    ("varlen", (10, 0), "model.attn_type=varlen needs flash-attn-4 (FA4)"),
+    ("flex_flash", (9, 0), "model.attn_type=flex_flash needs flash-attn-4"),
+])
+def test_hopper_attention_without_its_kernels_is_refused(monkeypatch, attn, capability, message):
+    """On a Hopper / Blackwell GPU (faked here), varlen and flex_flash need kernels outside the pinned set."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate(parse_cli(GOOD + ["--trainer.device", "cuda", "--model.attn_type", attn]), 1)
