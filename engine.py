@@ -405,13 +405,17 @@ class TorchTitanEngine:
     def dp_size(self) -> int:
         return self.dp_mesh.size() if self.dp_mesh is not None else 1
 
-    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over data-parallel ranks (identity without DP)."""
+    def dp_all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce a copy of a tensor over data-parallel ranks (identity without DP)."""
         if self.dp_mesh is None:
             return value
         value = value.clone()
-        dist.all_reduce(value, group=self.dp_mesh.get_group())
+        dist.all_reduce(value, op=op, group=self.dp_mesh.get_group())
         return value
+
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over data-parallel ranks."""
+        return self.dp_all_reduce(value)
 
     # ------------------------------------------------------------------ modes and steps
 

@@ -285,21 +285,20 @@ def rollout_metrics(cfg, engine, samples, rollout, rewards) -> dict[str, float]:
     """Global reward, length and mismatch means (summed over DP ranks)."""
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     truncated = torch.tensor([1.0 if f == "length" else 0.0 for f in rollout.finish_reasons])
-    sums = [sum(rewards), lengths.sum().item(), truncated.sum().item(), float(len(samples)),
-            lengths.max().item()]
+    sums = [sum(rewards), lengths.sum().item(), truncated.sum().item(), float(len(samples))]
     mismatch = [0.0, 0.0]
     if samples and samples[0].old_logprobs is not None:
         for s in samples:
             diffs = grpo.rollout_mismatch(s.old_logprobs, torch.tensor(s.rollout_logprobs))
             mismatch[0] += diffs["abs_diff"].sum().item()
             mismatch[1] += diffs["k3"].sum().item()
-    total = engine.dp_sum(torch.tensor(sums[:4] + mismatch, dtype=torch.float64)).tolist()
+    total = engine.dp_sum(torch.tensor(sums + mismatch, dtype=torch.float64)).tolist()
     count, tokens = max(total[3], 1.0), max(total[1], 1.0)
     metrics = {
         "critic/score/mean": total[0] / count,
         "response_length/mean": total[1] / count,
         "response_length/clip_ratio": total[2] / count,
-        "response_length/max": sums[4],
+        "response_length/max": engine.dp_all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
     }
     if samples and samples[0].old_logprobs is not None:
         metrics["rollout_corr/abs_logprob_diff"] = total[4] / tokens
