@@ -148,9 +148,12 @@ class NativeRollout:
         responses = [[] for _ in prompts]
         logprobs = [[] for _ in prompts]
         done = [False] * len(prompts)
-        for _ in range(self.cfg.data.max_response_length):
+        for position in range(self.cfg.data.max_response_length):
             if not self._any_rank_active(done):
                 break
+            if position % 64 == 63 and dist.get_rank() == 0:  # a progress line: this sampler is slow
+                print(f"native rollout: {position + 1}/{self.cfg.data.max_response_length} tokens, "
+                      f"{done.count(False)}/{len(done)} responses open", flush=True)
             live = [i for i, d in enumerate(done) if not d] or [0]  # keep forwarding in lockstep
             logits = self._next_token_logits([prompts[i] + responses[i] for i in live])
             tokens, token_logprobs = sample(logits, 1.0 if greedy else r.temperature, r.top_k, r.top_p,
