@@ -346,8 +346,11 @@ def rollout_reference(cfg, sampler, prompts, device: str) -> dict:
 
 
 def sync_parts(engine, sampler, device: str) -> dict:
-    """The weight sync whole, and its parts: sleep, export (gather + cast), reload into vLLM."""
-    with Timer(device) as whole:
+    """The weight sync with vLLM awake (export + reload only), then the loop's sync from sleep in parts."""
+    with Timer(device) as awake:
+        sampler.sync_weights()
+    sampler.sleep()
+    with Timer(device) as asleep:
         sampler.sync_weights()
     sampler.sleep()
     with Timer(device) as wake:
@@ -357,9 +360,11 @@ def sync_parts(engine, sampler, device: str) -> dict:
     with Timer(device) as reload:
         sampler.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                              "is_checkpoint_format": True})
-    sampler.llm.wake_up(tags=["kv_cache"])
+    with Timer(device) as wake_kv:
+        sampler.llm.wake_up(tags=["kv_cache"])
     sampler.sleeping = False
-    return dict(sync_s=whole.seconds, wake_weights_s=wake.seconds, export_s=export.seconds, reload_s=reload.seconds,
+    return dict(sync_awake_s=awake.seconds, sync_s=asleep.seconds, wake_weights_s=wake.seconds,
+                export_s=export.seconds, reload_s=reload.seconds, wake_kv_s=wake_kv.seconds,
                 gb=sum(t.numel() * t.element_size() for _, t in weights) / 2**30)
 
 
@@ -372,8 +377,9 @@ def print_e2e(report: dict) -> None:
     r, s = report["rollout"], report["sync"]
     print(f"rollout of {r['prompts']} prompts: vLLM alone {r['alone_s']:.2f} s ({r['alone_tokens']} tokens), "
           f"loop's generate {r['loop_s']:.2f} s ({r['loop_tokens']} tokens): {r['loop_s'] / r['alone_s']:.2f}x")
-    print(f"weight sync {s['sync_s']:.3f} s; parts: wake weights {s['wake_weights_s']:.3f}, export "
-          f"{s['export_s']:.3f} ({s['gb']:.2f} GB), reload {s['reload_s']:.3f}")
+    print(f"weight sync from sleep {s['sync_s']:.3f} s (awake: {s['sync_awake_s']:.3f} s); parts: wake weights "
+          f"{s['wake_weights_s']:.3f}, export {s['export_s']:.3f} ({s['gb']:.2f} GB), reload {s['reload_s']:.3f}, "
+          f"wake KV cache {s['wake_kv_s']:.3f}")
 
 
 def read_trace(path: str, top: int = 40) -> None:
