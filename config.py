@@ -135,7 +135,7 @@ class RewardConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_freq: int = -1  # steps between DCP checkpoints; -1: only at the end when export_hf
+    save_freq: int = -1  # steps between DCP checkpoints, and one after the last step; -1: none
     keep_latest_k: int = 2  # DCP checkpoints kept (0: all)
     resume: bool = True  # resume from the latest checkpoint in output_dir
     export_hf: bool = True  # write HF safetensors of the final weights

@@ -512,7 +512,7 @@ def train(cfg: Config) -> dict[str, float]:
         if (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0) or last:
             metrics.update(run_validation(cfg, engine, sampler, run.val_set, tokenizer))
         metrics_log.write(step, metrics)  # before the checkpoint: a resume from it never lacks this row
-        if cfg.checkpoint.save_freq > 0 and step % cfg.checkpoint.save_freq == 0:
+        if cfg.checkpoint.save_freq > 0 and (step % cfg.checkpoint.save_freq == 0 or last):  # verl saves the last
             engine.save_checkpoint(step)
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
         log(f"exported HF weights to {engine.export_hf(cfg.trainer.total_training_steps)}")

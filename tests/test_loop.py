@@ -133,6 +133,7 @@ def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
     resumed = train(model_dir, tasks, out, 3, "--checkpoint.save_freq", "2", port=29584)
     assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [0, 1, 2, 3]
     assert f"skipping checkpoint {out / 'checkpoint' / 'step-3'}: incomplete" in LAST_STDOUT[0]
+    assert (out / "checkpoint" / "step-3" / ".metadata").exists()  # the last step is saved, as verl does
     want, got = straight[-1], resumed[-1]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/entropy"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
