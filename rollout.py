@@ -107,6 +107,8 @@ class VLLMRollout:
         if self.sleeping:  # the weights' memory first; the KV cache only once the load is done
             self.llm.wake_up(tags=["weights"])
         weights = self.engine.export_hf_weights(dtype=self.dtype)
+        if self.engine.device_type == "cpu":
+            self.llm.collective_rpc(forget_moe_kernels)
         # vLLM's in-place reload re-runs its post-load processing (e.g. CPU weight repacking)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if self.sleeping:
@@ -124,6 +126,19 @@ class VLLMRollout:
     def close(self) -> None:
         """Shut the engine down; vLLM's teardown also destroys torch.distributed's default group."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def forget_moe_kernels(worker) -> None:
+    """Make vLLM's next reload set up its MoE kernels afresh (run on each vLLM worker).
+
+    vLLM CPU 0.32 treats a reload as a "weight update" and skips the MoE experts' prepacking, so the
+    new weights land unpacked in the packed buffers (samples from a wrong model). Without a kernel
+    the reload counts as a first load and prepacks. GPU backends update in place; they skip this.
+    """
+    for module in worker.model_runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
 
 
 # ----------------------------------------------------------------------------- native

@@ -85,6 +85,12 @@ def tp_model_dir(tmp_path_factory):  # two KV heads: the trainer's TP=2 splits t
     return make_tiny_qwen3(str(tmp_path_factory.mktemp("rollout_tp")), layers=2, hidden=128, heads=2, kv_heads=2)
 
 
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):  # Qwen3-MoE, 4 experts top-2
+    return make_tiny_qwen3(str(tmp_path_factory.mktemp("rollout_moe")), layers=2, hidden=128, heads=2, kv_heads=2,
+                           moe=True)
+
+
 @pytest.mark.parametrize("layout", [
     ["--parallelism.data_parallel_shard_degree", "2"],
     ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
@@ -93,10 +99,20 @@ def tp_model_dir(tmp_path_factory):  # two KV heads: the trainer's TP=2 splits t
 ], ids=["fsdp2", "tp2", "tp2_rollout_tp2"])
 def test_vllm_on_every_rank_matches_engine_before_and_after_sync(tp_model_dir, tmp_path, layout):
     """torchrun, 2 processes: each rank's vLLM (or one vLLM TP group) samples what the trainer computes."""
+    assert_rollout_worker_matches(tp_model_dir, tmp_path, layout, port=29601 + len(layout))
+
+
+def test_vllm_moe_matches_engine_before_and_after_sync(moe_model_dir, tmp_path):
+    """Qwen3-MoE under FSDP=2 x EP=2: vLLM takes the gathered experts (vLLM CPU needs its MoE kernels reset)."""
+    assert_rollout_worker_matches(moe_model_dir, tmp_path, ["--parallelism.data_parallel_shard_degree", "2",
+                                                            "--parallelism.expert_parallel_degree", "2"], port=29611)
+
+
+def assert_rollout_worker_matches(model_dir, tmp_path, layout, port):
     pytest.importorskip("vllm")
     out = str(tmp_path / "result.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(29601 + len(layout)),
-           os.path.join(HERE, "rollout_worker.py"), out, tp_model_dir, *layout]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(port),
+           os.path.join(HERE, "rollout_worker.py"), out, model_dir, *layout]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
