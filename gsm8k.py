@@ -1,7 +1,8 @@
 """GSM8K: dataset, prompt and reward. The file a fork replaces for another task.
 
-A task is three things: `load_problems(source)` -> [{"question", "ground_truth"}],
-`build_prompt(question)` -> chat messages, and `score(response, ground_truth)` -> float.
+A task is three things and a name: `load_problems(source, split)` -> [{"question", "ground_truth"}],
+`build_prompt(question)` -> chat messages, `score(response, ground_truth)` -> float, and `VAL_METRIC`,
+the validation score's metric name.
 """
 
 import json
@@ -10,6 +11,7 @@ import random
 import re
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+VAL_METRIC = "val-core/openai/gsm8k/reward/mean@1"  # verl's name: val-core/<data source>/reward/mean@<n>
 SOLUTION_CLIP_CHARS = 300  # verl: only the response tail is searched for the answer
 
 
@@ -18,8 +20,12 @@ def ground_truth_of(answer: str) -> str:
     return answer.split("#### ")[-1].strip().replace(",", "")
 
 
+HUB_SPLITS = {"train": "train", "val": "test"}  # the hub dataset's split for data.train_files / data.val_files
+
+
 def load_problems(source: str, split: str = "train", seed: int = 0, count: int = 2000) -> list[dict]:
-    """Problems from a jsonl/parquet path (openai or verl schema), a hub name (its `split`), or 'synthetic'.
+    """Problems from a jsonl/parquet path (openai or verl schema), a hub name, or 'synthetic'; `split` is
+    "train" or "val" (for a hub name, its train or test split).
 
     Raises ValueError naming the file (and line or row) for a missing, empty or malformed source.
     """
@@ -36,7 +42,7 @@ def load_problems(source: str, split: str = "train", seed: int = 0, count: int =
     else:  # a hub dataset name, e.g. openai/gsm8k (needs network)
         import datasets
 
-        rows = list(datasets.load_dataset(source, "main", split=split))
+        rows = list(datasets.load_dataset(source, "main", split=HUB_SPLITS[split]))
     if not rows:
         raise ValueError(f"{source} has no rows")
     return [_problem_from_row(row, source, index) for index, row in enumerate(rows, 1)]

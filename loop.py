@@ -1,23 +1,27 @@
-"""GRPO training loop: rollout -> reward -> advantages -> update -> weight sync.
+"""GRPO training loop: generate -> score -> group advantages -> old log-probs -> update -> weight sync.
 
     bash run.sh                                            # CPU demo, or GPU with defaults
     torchrun --nproc_per_node=4 loop.py --parallelism.data_parallel_shard_degree 2 \\
         --parallelism.tensor_parallel_degree 2 --model.path Qwen/Qwen3-0.6B
-    python loop.py plot outputs/run                        # reward / length / KL curves as PNG
 
 Every setting is a `--section.field value` flag of config.py.
 """
 
+import copy
+import fcntl
 import json
 import os
 import resource
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torchtitan.tools.utils import get_peak_flops
+from transformers import AutoTokenizer
 
 import gsm8k
 import grpo
@@ -105,54 +109,65 @@ def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def forward_backward_batch(engine, samples: list[Sample], loss_fn, forward_only: bool, temperature: float,
-                           with_entropy: bool = False):
-    """Run packed micro-batches through the model; backward each loss unless forward_only.
+PADDING = Sample([0, 0], [], [])  # what a DP rank with fewer micro-batches runs: two tokens, no response
 
-    Every DP rank runs the same number of micro-batches (empty ones padded in), as FSDP
-    needs. `loss_fn(samples, logprobs_per_sample, entropy_per_sample)` returns
-    (loss, metrics); losses must already be normalised by global counts. Returns the
-    per-sample log-probs of response tokens (forward_only; else None each) and the summed metrics.
-    """
+
+def micro_batches(engine, samples: list[Sample]) -> Iterator[tuple[list[int], list[Sample]]]:
+    """(sample indices, members) of packed micro-batches; as many on every DP rank, since FSDP runs its
+    collectives in lockstep: a rank with fewer gets padding micro-batches (no indices, PADDING as member)."""
     groups = pack_micro_batches([len(s.tokens) for s in samples], engine.cfg.actor.max_tokens_per_micro_batch)
-    count = torch.tensor([float(len(groups))])
-    if engine.dp_mesh is not None:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=engine.dp_mesh.get_group())
-    groups += [[] for _ in range(int(count.item()) - len(groups))]
-    logprobs_out, metrics = [None] * len(samples), defaultdict(float)
-    context = engine.eval_mode() if forward_only else torch.enable_grad()
-    with context:
-        for group in groups:
-            members = [samples[i] for i in group] or [Sample([0, 0], [], [])]
-            tokens, positions = pack([s.tokens for s in members])
-            labels = torch.cat([s.labels() for s in members])[None]
-            logprobs, entropy = engine.forward(tokens, positions, labels, temperature, with_entropy)
-            starts = torch.tensor([0] + [len(s.tokens) for s in members]).cumsum(0).tolist()
-            windows = [slice(start + s.response_slice().start, start + s.response_slice().stop)
-                       for start, s in zip(starts, members)]
-            per_sample = [logprobs[w] for w in windows]
-            per_entropy = [entropy[w] if entropy is not None else None for w in windows]
-            if forward_only:  # one device -> host copy per micro-batch
-                host = logprobs.detach().cpu()
-                for i, window in zip(group, windows):
-                    logprobs_out[i] = host[window]
-            if loss_fn is None:
-                continue
-            loss, mb_metrics = loss_fn([samples[i] for i in group], per_sample[:len(group)],
-                                       per_entropy[:len(group)], dummy=not group, anchor=logprobs)
-            if not forward_only:
-                engine.backward(loss)
-            for key, value in mb_metrics.items():
-                metrics[key] += value.detach()  # stays on the device until the end
-    return logprobs_out, {key: float(value) for key, value in metrics.items()}
+    count = int(engine.dp_all_reduce(torch.tensor([float(len(groups))]), dist.ReduceOp.MAX).item())
+    for group in groups + [[] for _ in range(count - len(groups))]:
+        yield group, [samples[i] for i in group] or [PADDING]
+
+
+def forward_micro_batch(engine, members: list[Sample], temperature: float, with_entropy: bool):
+    """One packed forward; returns (logprobs [T], entropy [T] or None, each member's response window)."""
+    tokens, positions = pack([s.tokens for s in members])
+    labels = torch.cat([s.labels() for s in members])[None]
+    logprobs, entropy = engine.forward(tokens, positions, labels, temperature, with_entropy)
+    starts = torch.tensor([0] + [len(s.tokens) for s in members]).cumsum(0).tolist()
+    windows = [slice(start + s.response_slice().start, start + s.response_slice().stop)
+               for start, s in zip(starts, members)]
+    return logprobs, entropy, windows
+
+
+def compute_logprobs(engine, samples: list[Sample], temperature: float) -> list[torch.Tensor]:
+    """Each sample's response-token log-probs (on the host), without autograd: old and reference log-probs."""
+    out = [None] * len(samples)
+    with engine.eval_mode():
+        for group, members in micro_batches(engine, samples):
+            logprobs, _, windows = forward_micro_batch(engine, members, temperature, with_entropy=False)
+            host = logprobs.cpu()  # one device -> host copy per micro-batch
+            for i, window in zip(group, windows):
+                out[i] = host[window]
+    return out
+
+
+def forward_backward_batch(engine, samples: list[Sample], loss_fn, temperature: float) -> dict[str, float]:
+    """Forward and backward every micro-batch; gradients accumulate (no optimizer step).
+
+    `loss_fn(members, logprobs_per_member, entropy_per_member)` returns (loss, metrics), both already
+    normalised by the mini-batch's global counts, so the micro-batching does not change the result.
+    Returns the metrics summed over micro-batches.
+    """
+    metrics = defaultdict(float)
+    for group, members in micro_batches(engine, samples):
+        logprobs, entropy, windows = forward_micro_batch(engine, members, temperature, with_entropy=True)
+        if not group:  # padding: a zero loss that still runs FSDP's backward collectives
+            engine.backward((logprobs * 0.0).sum())
+            continue
+        loss, micro_metrics = loss_fn(members, [logprobs[w] for w in windows], [entropy[w] for w in windows])
+        engine.backward(loss)
+        for key, value in micro_metrics.items():
+            metrics[key] += value.detach()  # stays on the device until the end
+    return {key: float(value) for key, value in metrics.items()}
 
 
 def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
     """The GRPO loss over a micro-batch, normalised by the mini-batch's global counts."""
 
-    def loss_fn(members, logprobs, entropies, dummy=False, anchor=None):
-        if dummy:  # keeps the graph connected so FSDP's collectives run; contributes nothing
-            return (anchor * 0.0).sum(), {}
+    def loss_fn(members, logprobs, entropies):
         lengths = torch.tensor([len(s.response_ids) for s in members])
         per_seq = grpo.token_weights(lengths, cfg.algorithm.loss_agg_mode, global_tokens, global_seqs,
                                      cfg.data.max_response_length)
@@ -167,11 +182,10 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
         if members[0].ref_logprobs is not None:
             host["ref"] = torch.cat([s.ref_logprobs for s in members])
         on_device = dict(zip(host, to_device(torch.stack(list(host.values())), current.device)))
-        old = on_device.get("old", current.detach())
+        old = on_device.get("old", current.detach())  # on-policy (one update per batch): old == current
         weights, advantages, rollout_lp = (on_device[k] for k in ("weights", "advantages", "rollout"))
-        entropy = torch.cat(entropies) if entropies[0] is not None else None
-        return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, entropy, on_device.get("ref"),
-                                    rollout_lp, token_share=1.0 / global_tokens)
+        return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, torch.cat(entropies),
+                                    on_device.get("ref"), rollout_lp, token_share=1.0 / global_tokens)
 
     return loss_fn
 
@@ -179,24 +193,21 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
 # ----------------------------------------------------------------------------- one step
 
 
-def rollout_samples(cfg, sampler, prompts, step, engine, tokenizer) -> tuple[list[Sample], Rollout, list[float]]:
-    """Generate n responses per prompt, score them, attach group advantages."""
-    n = cfg.rollout.n
-    rollout = sampler.generate([ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine))
-    rollout = share_within_model_parallel(engine, rollout)
-    texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-    truths = [truth for _, truth in prompts for _ in range(n)]
-    rewards = [gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
-               for t, g in zip(texts, truths)]
-    advantages = grpo.group_advantages(torch.tensor(rewards), n, cfg.algorithm.norm_adv_by_std,
-                                       cfg.algorithm.adv_epsilon)
-    samples = [Sample(p, r, lp, float(a)) for p, r, lp, a in
-               zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs, advantages)]
-    return samples, rollout, rewards
+def generate(sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
+    """n responses per prompt from the sampler; TP / CP peers all get their first peer's (they train on it)."""
+    return share_within_model_parallel(engine, sampler.generate(prompts, n, greedy=greedy, seed=seed))
+
+
+def score(cfg, tokenizer, response_ids: list[list[int]], truths: list[str]) -> list[float]:
+    """The task's reward of each decoded response."""
+    texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    return [gsm8k.score(text, truth, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
+            for text, truth in zip(texts, truths)]
 
 
 def step_seed(cfg: Config, step: int, engine) -> int:
-    """Sampling seed of a step on a DP rank: reproducible across resume, distinct across ranks."""
+    """Sampling seed of a step on a DP rank: reproducible across resume, distinct across ranks (the offsets
+    are primes, so no two (step, rank) pairs share a seed)."""
     return cfg.rollout.seed * 1_000_003 + step * 1009 + engine.dp_rank * 17
 
 
@@ -217,13 +228,11 @@ def compute_old_and_ref_logprobs(cfg, engine, ref_engine, samples) -> None:
     if cfg.actor.use_rollout_logprobs:
         for s in samples:
             s.old_logprobs = torch.tensor(s.rollout_logprobs)
-    elif not on_policy or cfg.algorithm.tis_cap is not None:
-        old, _ = forward_backward_batch(engine, samples, None, True, cfg.rollout.temperature)
-        for s, lp in zip(samples, old):
+    elif not on_policy or cfg.algorithm.tis_cap is not None:  # on-policy, the loss uses current.detach()
+        for s, lp in zip(samples, compute_logprobs(engine, samples, cfg.rollout.temperature)):
             s.old_logprobs = lp
     if ref_engine is not None:
-        ref, _ = forward_backward_batch(ref_engine, samples, None, True, cfg.rollout.temperature)
-        for s, lp in zip(samples, ref):
+        for s, lp in zip(samples, compute_logprobs(ref_engine, samples, cfg.rollout.temperature)):
             s.ref_logprobs = lp
 
 
@@ -238,8 +247,7 @@ def update_actor(cfg, engine, samples) -> dict[str, float]:
                 chunk = samples[start:start + mini_batch]
                 counts = engine.dp_sum(torch.tensor([float(sum(len(s.response_ids) for s in chunk)), len(chunk)]))
                 loss_fn = grpo_loss_fn(cfg, max(counts[0].item(), 1.0), max(counts[1].item(), 1.0))
-                _, metrics = forward_backward_batch(engine, chunk, loss_fn, False, cfg.rollout.temperature,
-                                                    with_entropy=True)
+                metrics = forward_backward_batch(engine, chunk, loss_fn, cfg.rollout.temperature)
                 metrics = {k: v for k, v in zip(metrics, engine.dp_sum(torch.tensor(list(metrics.values()))).tolist())}
                 grad_norm, stepped = engine.optimizer_step()
                 metrics["actor/grad_norm"] = grad_norm
@@ -254,12 +262,19 @@ def update_actor(cfg, engine, samples) -> dict[str, float]:
 
 
 def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -> dict[str, float]:
-    """One GRPO step; returns its metrics (verl names)."""
+    """One GRPO step: generate -> score -> group advantages -> old log-probs -> update -> weight sync."""
     timings, t0 = {}, time.perf_counter()
     prompts = prompts_set.batch(step, cfg.data.train_batch_size)[engine.dp_rank::engine.dp_size]
-    samples, rollout, rewards = rollout_samples(cfg, sampler, prompts, step, engine, tokenizer)
-    sampler.sleep()
+    n = cfg.rollout.n
+    rollout = generate(sampler, engine, [ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine))
+    sampler.sleep()  # vLLM's memory goes to the update until the sync
     timings["gen"] = time.perf_counter() - t0
+
+    rewards = score(cfg, tokenizer, rollout.response_ids, [truth for _, truth in prompts for _ in range(n)])
+    a = cfg.algorithm
+    advantages = grpo.group_advantages(torch.tensor(rewards), n, a.norm_adv_by_std, a.adv_epsilon).tolist()
+    samples = [Sample(prompt, response, logprobs, advantage) for prompt, response, logprobs, advantage in
+               zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs, advantages)]
 
     t = time.perf_counter()
     compute_old_and_ref_logprobs(cfg, engine, ref_engine, samples)
@@ -269,7 +284,6 @@ def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -
     metrics = update_actor(cfg, engine, samples)
     timings["update_actor"] = time.perf_counter() - t
 
-    t = time.perf_counter()
     timings["update_weights"] = sampler.sync_weights()
     timings["step"] = time.perf_counter() - t0
     metrics.update(rollout_metrics(cfg, engine, samples, rollout, rewards))
@@ -319,8 +333,6 @@ def actor_flops(engine, sequence_lengths: list[int]) -> float:
 
 def perf_metrics(engine, samples, timings) -> dict[str, float]:
     """Throughput (tokens/s per device), actor MFU and peak memory."""
-    from torchtitan.tools.utils import get_peak_flops
-
     lengths = [len(s.tokens) for s in samples]
     tokens, flops = engine.dp_sum(torch.tensor([float(sum(lengths)), actor_flops(engine, lengths)],
                                                dtype=torch.float64)).tolist()
@@ -345,14 +357,12 @@ def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]
     total = 0.0
     for start in range(0, per_rank, cfg.data.val_batch_size):
         chunk = padded[start:start + cfg.data.val_batch_size]
-        rollout = share_within_model_parallel(engine, sampler.generate([ids for ids, _ in chunk], 1, greedy=True, seed=0))
-        texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        scores = [gsm8k.score(t, g, cfg.reward.method, cfg.reward.format_score, cfg.reward.correct_score)
-                  for t, (_, g) in zip(texts, chunk)]
+        rollout = generate(sampler, engine, [ids for ids, _ in chunk], 1, greedy=True)
+        scores = score(cfg, tokenizer, rollout.response_ids, [truth for _, truth in chunk])
         total += sum(scores[:max(len(mine) - start, 0)])  # padding does not count
         log(f"validation: {min((start + len(chunk)) * engine.dp_size, len(items))}/{len(items)} prompts")
     summed = engine.dp_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64)).tolist()
-    return {"val-core/openai/gsm8k/reward/mean@1": summed[0] / max(summed[1], 1.0)}
+    return {gsm8k.VAL_METRIC: summed[0] / max(summed[1], 1.0)}
 
 
 class MetricsLog:
@@ -362,7 +372,7 @@ class MetricsLog:
     (rows of steps it redoes would otherwise appear twice).
     """
 
-    CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("val-core/openai/gsm8k/reward/mean@1", "val", "{:.3f}"),
+    CONSOLE = (("critic/score/mean", "score", "{:.3f}"), (gsm8k.VAL_METRIC, "val", "{:.3f}"),
                ("actor/pg_loss", "pg_loss", "{:.4g}"), ("actor/entropy", "entropy", "{:.3f}"),
                ("actor/grad_norm", "grad_norm", "{:.3g}"), ("response_length/mean", "response_len", "{:.0f}"),
                ("rollout_corr/abs_logprob_diff", "mismatch", "{:.2g}"), ("timing_s/gen", "gen_s", "{:.1f}"),
@@ -425,8 +435,6 @@ def log(message: str) -> None:
 
 def build_reference(cfg: Config):
     """A frozen copy of the initial policy for the KL loss (built only when the loss is on)."""
-    import copy
-
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.trainer.output_dir = os.path.join(cfg.trainer.output_dir, "reference")
     ref_cfg.activation_checkpoint.mode = "none"
@@ -447,8 +455,6 @@ class Run:
 
 def build_run(cfg: Config) -> Run:
     """Check the config, the output dir and the data; then build the engine(s) and the sampler (synced)."""
-    from transformers import AutoTokenizer
-
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     lock_output_dir(cfg.trainer.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(load_model_dir(cfg.model.path))
@@ -465,8 +471,7 @@ def load_data(cfg: Config, name: str) -> list[dict]:
     """The problems of data.train_files or data.val_files; bad data is a one-line error naming the setting."""
     setting, source = f"data.{name}_files", getattr(cfg.data, f"{name}_files")
     try:
-        return gsm8k.load_problems(source, split="train" if name == "train" else "test",
-                                   seed=cfg.data.seed + (name == "val"))
+        return gsm8k.load_problems(source, split=name, seed=cfg.data.seed + (name == "val"))
     except ValueError as error:
         raise ValueError(f"{setting}: {error}") from None
 
@@ -476,8 +481,6 @@ _output_dir_lock = None  # held open for the life of the process
 
 def lock_output_dir(output_dir: str) -> None:
     """Rank 0 holds an exclusive lock on output_dir: a second run there stops at once, not racing the first."""
-    import fcntl
-
     global _output_dir_lock
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -533,34 +536,7 @@ def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
     return ids or [tokenizer.eos_token_id]
 
 
-def plot(run_dir: str) -> str:
-    """Draw reward, response length and KL from metrics.jsonl into run_dir/curves.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    panels = [("critic/score/mean", "reward"), ("val-core/openai/gsm8k/reward/mean@1", "val reward"),
-              ("response_length/mean", "response length"), ("actor/ppo_kl", "ppo kl")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3))
-    for ax, (key, title) in zip(axes, panels):
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if points:
-            ax.plot(*zip(*points), marker=".")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    out = os.path.join(run_dir, "curves.png")
-    fig.savefig(out, dpi=100)
-    return out
-
-
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["plot"]:
-        print(plot(argv[1]))
-        return
     train(parse_cli(argv))
     if dist.is_initialized():  # vLLM's shutdown has already destroyed it
         dist.destroy_process_group()

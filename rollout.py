@@ -220,5 +220,6 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
     if greedy:
         tokens = logits.argmax(-1)
     else:
+        # on the host with a CPU generator: the same draw on every rank and device, reproducible from `seed`
         tokens = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator)[:, 0].to(logits.device)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

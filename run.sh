@@ -40,7 +40,7 @@ if [ "$NUM_GPUS" -eq 0 ] && [ -z "${MODEL_PATH:-}" ]; then
   echo "[titan-grpo] no GPU and no MODEL_PATH: running the CPU DEMO in $NPROC process(es) (tiny random Qwen3 with"
   echo "[titan-grpo] the real Qwen3 tokenizer, synthetic GSM8K-format problems, 3 steps). Rewards stay near 0: a demo."
   DEMO_DIR=outputs/demo_model
-  [ -f $DEMO_DIR/config.json ] || $PY -c "import sys; sys.path.insert(0, 'tests'); from tiny import make_tiny_qwen3; \
+  [ -f $DEMO_DIR/config.json ] || $PY -c "from tiny import make_tiny_qwen3; \
 make_tiny_qwen3('$DEMO_DIR', tokenizer='qwen3', layers=2, hidden=128, heads=2, kv_heads=1)" >/dev/null
   exec "${TORCHRUN[@]}" loop.py --model.path $DEMO_DIR --model.attn_type sdpa --model.dtype float32 \
     --trainer.device cpu "${PARALLEL_ARGS[@]}" --rollout.name native --data.train_files synthetic \

@@ -15,11 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import parse_cli, validate  # noqa: E402
 from engine import TorchTitanEngineWithLMHead  # noqa: E402
-from loop import Sample, forward_backward_batch, share_within_model_parallel  # noqa: E402
+from loop import Sample, compute_logprobs, share_within_model_parallel  # noqa: E402
 from rollout import build_rollout  # noqa: E402
 
 PROMPTS = [[1, 4, 6, 9, 12], [1, 4, 6, 15, 11, 16, 17], [1, 5, 7, 8], [1, 9, 9, 3, 2, 6]]
 TEMPERATURE = 0.8
+EOS = 2  # tiny.py's <|im_end|>
 
 
 def max_over_ranks(value: float) -> float:
@@ -28,12 +29,22 @@ def max_over_ranks(value: float) -> float:
     return box.item()
 
 
-def mismatch(engine, sampler, seed: int) -> float:
+def well_formed(rollout, prompts, n: int, max_tokens: int) -> bool:
+    """n sampled responses per prompt, consecutive; each ends with EOS ("stop") or at max_tokens ("length")."""
+    grouped = rollout.prompt_ids == [p for p in prompts for _ in range(n)]
+    sampled = len(set(map(tuple, rollout.response_ids))) > 1
+    ends = all(0 < len(r) <= max_tokens and (f == "stop") == (r[-1] == EOS) and (f == "stop" or len(r) == max_tokens)
+               for r, f in zip(rollout.response_ids, rollout.finish_reasons))
+    return grouped and sampled and ends
+
+
+def mismatch(engine, sampler, seed: int, checks: dict) -> float:
     """Largest |sampler log-prob - engine log-prob| over this rank's share of the prompts, all ranks."""
     mine = PROMPTS[engine.dp_rank::engine.dp_size]
     rollout = share_within_model_parallel(engine, sampler.generate(mine, 3, seed=seed))
+    checks[f"well_formed_{seed}"] = well_formed(rollout, mine, 3, engine.cfg.data.max_response_length)
     samples = [Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]
-    got, _ = forward_backward_batch(engine, samples, None, True, TEMPERATURE)
+    got = compute_logprobs(engine, samples, TEMPERATURE)
     want = torch.tensor([x for lp in rollout.logprobs for x in lp])
     return max_over_ranks((torch.cat(got) - want).abs().max().item())
 
@@ -56,12 +67,14 @@ def main():
                      "--rollout.gpu_memory_utilization", "0.1", *extra])
     validate(cfg, int(os.environ["WORLD_SIZE"]))
     engine = TorchTitanEngineWithLMHead(cfg)
-    sampler = build_rollout(cfg, engine, [2])
-    result = {"init": mismatch(engine, sampler, seed=1)}
+    sampler = build_rollout(cfg, engine, [EOS])
+    checks = {}
+    result = {"init": mismatch(engine, sampler, 1, checks)}
     train_one_step(engine)
-    result["stale"] = mismatch(engine, sampler, seed=2)
+    result["stale"] = mismatch(engine, sampler, 2, checks)
     result["sync_s"] = max_over_ranks(sampler.sync_weights())
-    result["synced"] = mismatch(engine, sampler, seed=2)
+    result["synced"] = mismatch(engine, sampler, 2, checks)
+    result["well_formed"] = max_over_ranks(float(not all(checks.values()))) == 0.0  # every call on every rank
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()

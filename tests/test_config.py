@@ -2,12 +2,10 @@
 
 import os
 import re
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import _torch_version, parse_cli, validate  # noqa: E402
+from config import _torch_version, parse_cli, validate
 
 MODEL_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "titan_grpo_config_model")
 os.makedirs(MODEL_DIR, exist_ok=True)

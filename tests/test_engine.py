@@ -14,12 +14,8 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-
-from tiny import make_tiny_qwen3  # noqa: E402
+from conftest import ROOT, TESTS as HERE, free_port
+from tiny import make_tiny_qwen3
 
 
 BACKEND_PYTHON = {"partial_dtensor": sys.executable, "spmd_types": os.environ.get("TITAN_GRPO_SPMD_PYTHON")}
@@ -34,7 +30,7 @@ def backend_python(backend):
 
 def torchrun(nproc, out, model_dir, *flags, env=None, backend="partial_dtensor"):
     cmd = [backend_python(backend), "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(29600 + nproc * 7 + len(flags)), os.path.join(HERE, "engine_worker.py"), str(out), model_dir,
+           str(free_port()), os.path.join(HERE, "engine_worker.py"), str(out), model_dir,
            "--parallelism.spmd_backend", backend, *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -59,34 +55,19 @@ def reference(dense_dir, backend, tmp_path_factory):
 def test_logprobs_match_hf_transformers(dense_dir, tmp_path):
     """Packed micro-batch log-probs and entropy equal HF's per-sequence ones (untied model too)."""
     untied = make_tiny_qwen3(str(tmp_path / "untied"), tie=False, seed=1)
-    code = f"""
-import sys, torch
-sys.path[:0] = [{ROOT!r}, {HERE!r}]
-from engine_worker import fixed_batch, packed
-from config import parse_cli
-from engine import TorchTitanEngineWithLMHead
-from transformers import AutoModelForCausalLM
-for path in ({dense_dir!r}, {untied!r}):
-    cfg = parse_cli(["--model.path", path, "--model.attn_type", "sdpa", "--model.dtype", "float32",
-                     "--trainer.device", "cpu", "--trainer.output_dir", path + "_out"])
-    engine = TorchTitanEngineWithLMHead(cfg)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    seqs = fixed_batch(hf.config.vocab_size)
-    with engine.eval_mode():
-        logprobs, entropy = engine.forward(*packed(seqs), temperature=0.7, with_entropy=True)
-        want_lp, want_ent = [], []
-        for s in seqs:
-            logp = torch.log_softmax(hf(s[None]).logits[0].float() / 0.7, -1)
-            want_lp.append(torch.cat([logp[:-1].gather(-1, s[1:, None])[:, 0], torch.zeros(1)]))
-            want_ent.append(-(logp.exp() * logp).sum(-1))
-    assert torch.allclose(logprobs, torch.cat(want_lp), atol=1e-5), (logprobs - torch.cat(want_lp)).abs().max()
-    assert torch.allclose(entropy, torch.cat(want_ent), atol=1e-5)
-    engine.trainer.checkpointer.close() if hasattr(engine.trainer.checkpointer, "close") else None
-print("PARITY OK")
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "MASTER_PORT": "29551"})
-    assert "PARITY OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+    for path in (dense_dir, untied):
+        got = checkpoint_worker("parity", tmp_path / "parity.pt", path)
+        assert torch.allclose(got["logprobs"], got["hf_logprobs"], atol=1e-5), (got["logprobs"] - got["hf_logprobs"]).abs().max()
+        assert torch.allclose(got["entropy"], got["hf_entropy"], atol=1e-5)
+
+
+def checkpoint_worker(case, out, *args):
+    """Run tests/checkpoint_worker.py in a fresh process; what it saved."""
+    result = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_worker.py"), case, str(out), *map(str, args)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "MASTER_PORT": str(free_port())})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return torch.load(out)
 
 
 LAYOUTS = {
@@ -105,7 +86,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("compiled", [False, True])
 def test_token_logprobs_gradient_matches_float64_autograd(compiled):
     """The closed-form log-prob/entropy backward equals autograd through a float64 log-softmax."""
-    from engine import IGNORE_INDEX, token_logprobs
+    from logprobs import IGNORE_INDEX, token_logprobs
 
     torch.manual_seed(0)
     rows, vocab, temperature = 13, 37, 0.7
@@ -133,7 +114,7 @@ def test_token_logprobs_never_hold_full_fp32_logits(compiled):
     """No allocation reaches [tokens, vocab] float32: eager works in row chunks, compiled in fused kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import token_logprobs
+    from logprobs import token_logprobs
 
     rows, vocab, chunk = 512, 3001, 128
     logits = torch.randn(1, rows, vocab, dtype=torch.bfloat16, requires_grad=True)
@@ -177,6 +158,7 @@ def hf_logprobs_with(model_dir, weights, checkpoint_dir, temperature=0.9):
     (float32) loading `weights` as a checkpoint (transformers 5 fuses the experts on load)."""
     import shutil
 
+    from checkpoint_worker import hf_logprobs
     from engine_worker import fixed_batch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -184,12 +166,7 @@ def hf_logprobs_with(model_dir, weights, checkpoint_dir, temperature=0.9):
     shutil.copytree(model_dir, checkpoint_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({name: tensor.contiguous() for name, tensor in weights.items()}, f"{checkpoint_dir}/model.safetensors")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for s in fixed_batch(hf.config.vocab_size):
-            logp = torch.log_softmax(hf(s[None]).logits[0] / temperature, -1)
-            out.append(torch.cat([logp[:-1].gather(-1, s[1:, None])[:, 0], torch.zeros(1)]))
-    return torch.cat(out)
+    return hf_logprobs(hf, fixed_batch(hf.config.vocab_size), temperature)[0]
 
 
 def test_moe_matches_hf_after_optimizer_steps_with_and_without_expert_parallel(tmp_path):
@@ -208,66 +185,13 @@ def test_moe_matches_hf_after_optimizer_steps_with_and_without_expert_parallel(t
         assert (run["logprobs"] - want).abs().max() < 1e-4
 
 
-def run_python(code, port):
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "MASTER_PORT": str(port)}, cwd=ROOT)
-    return result
-
-
 def test_checkpoint_resume_and_hf_export(dense_dir, tmp_path):
     """Save at step 1, a new process loads it: next-step loss equal; HF export loads in transformers."""
     out = tmp_path / "ckpt_run"
-    step = f"""
-import sys, torch
-sys.path[:0] = [{ROOT!r}, {HERE!r}]
-from engine_worker import fixed_batch, packed
-from config import parse_cli
-from engine import TorchTitanEngineWithLMHead
-cfg = parse_cli(["--model.path", {dense_dir!r}, "--model.attn_type", "sdpa", "--model.dtype", "float32",
-                 "--trainer.device", "cpu", "--trainer.output_dir", {str(out)!r}, "--optimizer.lr", "1e-2"])
-engine = TorchTitanEngineWithLMHead(cfg)
-seqs = fixed_batch(engine.trainer.model_config.vocab_size)
-def one_step():
-    with engine.train_mode():
-        lp, _ = engine.forward(*packed(seqs))
-        loss = -lp.mean()
-        engine.backward(loss)
-        engine.optimizer_step()
-        engine.lr_scheduler_step()
-    return loss.item()
-"""
-    first = run_python(step + """
-losses = [one_step(), None]
-engine.save_checkpoint(1)
-losses[1] = one_step()
-with engine.eval_mode():
-    final = engine.forward(*packed(seqs))[0].tolist()
-print("LOSSES", losses)
-print("FINAL", final)
-print("EXPORT", engine.export_hf(2))
-""", 29561)
-    assert first.returncode == 0, first.stderr[-4000:]
-    losses = eval(first.stdout.split("LOSSES")[1].splitlines()[0])
-    final = torch.tensor(eval(first.stdout.split("FINAL")[1].splitlines()[0]))
-    export = first.stdout.split("EXPORT ")[1].split()[0]
-    assert os.path.isdir(out / "checkpoint" / "step-1") and losses[0] != losses[1]
-    resumed = run_python(step + "print('LOADED', engine.loaded_step, one_step())", 29562)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    loaded_step, loss = resumed.stdout.split("LOADED ")[1].split()[:2]
-    assert int(loaded_step) == 1
-    assert float(loss) == pytest.approx(losses[1], rel=1e-6)
-    check = run_python(f"""
-import sys, torch
-sys.path[:0] = [{ROOT!r}, {HERE!r}]
-from engine_worker import fixed_batch
-from transformers import AutoModelForCausalLM
-hf = AutoModelForCausalLM.from_pretrained({export!r}, dtype=torch.float32)
-out = []
-for s in fixed_batch(hf.config.vocab_size):
-    logp = torch.log_softmax(hf(s[None]).logits[0], -1)
-    out.append(torch.cat([logp[:-1].gather(-1, s[1:, None])[:, 0], torch.zeros(1)]))
-print("HF", torch.cat(out).tolist())
-""", 29563)
-    assert check.returncode == 0, check.stderr[-4000:]
-    hf = torch.tensor(eval(check.stdout.split("HF")[1].splitlines()[0]))
-    assert torch.allclose(hf, final, atol=1e-5)
+    first = checkpoint_worker("first", tmp_path / "first.pt", dense_dir, out)
+    assert os.path.isdir(out / "checkpoint" / "step-1") and first["losses"][0] != first["losses"][1]
+    resumed = checkpoint_worker("resume", tmp_path / "resumed.pt", dense_dir, out)
+    assert resumed["loaded_step"] == 1
+    assert resumed["loss"] == pytest.approx(first["losses"][1], rel=1e-6)
+    hf = checkpoint_worker("hf", tmp_path / "hf.pt", first["export"])
+    assert torch.allclose(hf["logprobs"], first["final"], atol=1e-5)

@@ -1,15 +1,12 @@
 """grpo.py against float64 reference formulas written out here, element by element."""
 
 import math
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
+import grpo
 
 torch.manual_seed(0)
 

@@ -3,11 +3,11 @@
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gsm8k  # noqa: E402
+import gsm8k
 
 TEST_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
 
@@ -79,3 +79,17 @@ def test_parquet_of_another_schema(tmp_path):
     pd.DataFrame({"text": ["a"], "label": [1]}).to_parquet(path)
     with pytest.raises(ValueError, match=r"row 1 has neither .* its keys: \['label', 'text'\]"):
         gsm8k.load_problems(str(path))
+
+
+def test_a_hub_dataset_gives_its_test_split_for_validation(monkeypatch):
+    """data.val_files naming a hub dataset loads its test split, data.train_files its train split."""
+    splits = []
+
+    def load_dataset(name, config, split):
+        splits.append(split)
+        return [{"question": "What is 1+1?", "answer": "#### 2"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
+    assert gsm8k.load_problems("openai/gsm8k", split="val") == [{"question": "What is 1+1?", "ground_truth": "2"}]
+    gsm8k.load_problems("openai/gsm8k", split="train")
+    assert splits == ["test", "train"]

@@ -2,13 +2,13 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, free_port
+
 ONE_STEP = ["--trainer.total_training_steps", "1", "--trainer.val_before_train", "False"]
 
 
@@ -24,12 +24,6 @@ def finish(process, out):
     assert process.returncode == 0, stdout[-2000:] + stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_equal_one_node_with_two_processes(tmp_path):

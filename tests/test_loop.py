@@ -8,11 +8,8 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]
-
-from tiny import make_tiny_qwen3  # noqa: E402
+from conftest import ROOT, TESTS as HERE, free_port
+from tiny import make_tiny_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +31,7 @@ def tasks(tmp_path_factory):
 LAST_STDOUT = [""]
 
 
-def train(model_dir, data, out, steps, *extra, port=29581, nproc=1):
+def train(model_dir, data, out, steps, *extra, nproc=1):
     args = ["--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32",
             "--rollout.name", "native", "--data.train_files", data, "--data.val_files", data,
             "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "8", "--rollout.n", "8",
@@ -42,7 +39,7 @@ def train(model_dir, data, out, steps, *extra, port=29581, nproc=1):
             "--actor.max_tokens_per_micro_batch", "4096", "--reward.method", "flexible", "--optimizer.lr", "5e-3",
             "--checkpoint.export_hf", "False", "--activation_checkpoint.mode", "none",
             "--trainer.total_training_steps", str(steps), "--trainer.output_dir", str(out), *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
            os.path.join(ROOT, "loop.py"), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -51,42 +48,15 @@ def train(model_dir, data, out, steps, *extra, port=29581, nproc=1):
         return [json.loads(line) for line in f]
 
 
-GRADIENT_WORKER = """
-import os, sys, torch
-sys.path[:0] = [{root!r}, {here!r}]
-from config import parse_cli
-from engine import TorchTitanEngineWithLMHead
-from loop import Sample, forward_backward_batch, grpo_loss_fn
-out, budget, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-cfg = parse_cli(["--model.path", {model_dir!r}, "--model.attn_type", "sdpa", "--model.dtype", "float32",
-                 "--trainer.device", "cpu", "--trainer.output_dir", out + "_run", "--algorithm.loss_agg_mode",
-                 "seq-mean-token-mean", "--actor.max_tokens_per_micro_batch", str(budget), *extra])
-engine = TorchTitanEngineWithLMHead(cfg)
-g = torch.Generator().manual_seed(0)
-samples = [Sample(torch.randint(0, 40, (5,), generator=g).tolist(), torch.randint(0, 40, (int(n),), generator=g).tolist(),
-                  [0.0] * int(n), float(torch.randn(1, generator=g))) for n in torch.randint(2, 9, (8,), generator=g)]
-tokens = sum(len(s.response_ids) for s in samples)  # global counts, as update_actor sums them over DP
-mine = samples[engine.dp_rank::engine.dp_size]
-with engine.train_mode():
-    _, metrics = forward_backward_batch(engine, mine, grpo_loss_fn(cfg, tokens, len(samples)), False, 1.0)
-    grad = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])
-loss = engine.dp_sum(torch.tensor([metrics["actor/pg_loss"]])).item()
-if engine.dp_rank == 0:
-    torch.save({{"grad": grad, "pg_loss": loss}}, out)
-"""
-
-
 def test_gradient_is_independent_of_micro_batching_and_dp(model_dir, tmp_path):
     """One micro-batch, one sequence per micro-batch, FSDP=2 and CP=2: the same gradient and loss."""
-    script = tmp_path / "grad_worker.py"
-    script.write_text(GRADIENT_WORKER.format(root=ROOT, here=HERE, model_dir=model_dir))
     runs = {}
     cp2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
     for name, nproc, budget, extra in (("one_micro_batch", 1, 4096, []), ("per_sequence", 1, 14, []),
                                        ("fsdp2", 2, 14, []), ("cp2", 2, 14, cp2)):
         out = str(tmp_path / f"{name}.pt")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-               str(29591 + nproc), str(script), out, str(budget), *extra]
+               str(free_port()), os.path.join(HERE, "gradient_worker.py"), out, model_dir, str(budget), *extra]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = torch.load(out)
@@ -107,7 +77,7 @@ def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path, nproc)
     rows = train(model_dir, tasks, tmp_path / "learn", 50, "--data.max_response_length", "1", "--rollout.n", "16",
                  "--actor.ppo_mini_batch_size", "4", "--optimizer.lr", "3e-3", "--algorithm.entropy_coeff", "0.01",
                  "--rollout.seed", "7", "--trainer.test_freq", "50", "--trainer.val_before_train", "False",
-                 "--parallelism.data_parallel_shard_degree", str(nproc), port=29585 + nproc, nproc=nproc)
+                 "--parallelism.data_parallel_shard_degree", str(nproc), nproc=nproc)
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     early, late = sum(scores[:3]) / 3, sum(scores[-10:]) / 10
     print(f"early {early:.3f} late {late:.3f}")
@@ -122,15 +92,14 @@ def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
     checkpoint) and checkpoint/step-3 holds no .metadata (killed mid-save). The resume says it skips that folder,
     and metrics.jsonl ends with one row per step, as the uninterrupted run's.
     """
-    straight = train(model_dir, tasks, tmp_path / "straight", 3, "--trainer.logger", "console", "tensorboard",
-                     port=29582)
+    straight = train(model_dir, tasks, tmp_path / "straight", 3, "--trainer.logger", "console", "tensorboard")
     assert_tensorboard_equals_jsonl(tmp_path / "straight", straight)
     out = tmp_path / "resumed"
-    train(model_dir, tasks, out, 2, "--checkpoint.save_freq", "2", port=29583)
+    train(model_dir, tasks, out, 2, "--checkpoint.save_freq", "2")
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "critic/score/mean": -1.0}) + "\n")
     os.makedirs(out / "checkpoint" / "step-3")
-    resumed = train(model_dir, tasks, out, 3, "--checkpoint.save_freq", "2", port=29584)
+    resumed = train(model_dir, tasks, out, 3, "--checkpoint.save_freq", "2")
     assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [0, 1, 2, 3]
     assert f"skipping checkpoint {out / 'checkpoint' / 'step-3'}: incomplete" in LAST_STDOUT[0]
     assert (out / "checkpoint" / "step-3" / ".metadata").exists()  # the last step is saved, as verl does

@@ -1,4 +1,5 @@
-"""Tiny random Qwen3 HF checkpoints and tokenizers, made locally (no hub at run time)."""
+"""Tiny random Qwen3 HF checkpoints and tokenizers, made locally (no hub at run time): for the tests,
+run.sh's CPU demo and bench.py."""
 
 import json
 import os

@@ -1,0 +1,64 @@
+"""torchtitan 0.3.0 on CPU (tests, laptops): the two adaptations, made here instead of in site-packages.
+
+- torchtitan assumes CUDA: six of its modules keep module-level `device_type = "cuda"` and
+  `device_module = torch.cuda` globals and call torch.cuda-style functions through them (device name
+  and properties, memory stats, empty_cache). `use_cpu_device()` rewrites those globals, process-wide.
+- gloo has no PREMUL_SUM, the reduction FSDP2 averages gradients with. `use_sum_reduction()` makes
+  FSDP sum instead; torchtitan normalises the loss globally, so its divide factor is 1 anyway.
+
+SDPA with a dense document mask, the attention CPU runs (Flex has no CPU backward, varlen no CPU
+kernel), is `attn_type=sdpa` in qwen3.py.
+"""
+
+import importlib
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+TORCHTITAN_DEVICE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.tools.profiler",
+)
+
+
+class CpuDeviceModule:
+    """torch.cpu plus the torch.cuda-style calls torchtitan makes (names, memory stats)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, *_):
+        return "cpu"
+
+    def get_device_properties(self, *_):
+        return type("CpuProperties", (), {"total_memory": 1, "name": "cpu"})()
+
+    def memory_stats(self, *_):
+        return {"active_bytes.all.peak": 0, "reserved_bytes.all.peak": 0, "num_alloc_retries": 0, "num_ooms": 0}
+
+    def reset_peak_memory_stats(self, *_):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+def use_cpu_device() -> None:
+    """Point torchtitan's module-level device globals (CUDA by default) at the CPU."""
+    for name in TORCHTITAN_DEVICE_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = CpuDeviceModule()
+
+
+def use_sum_reduction(model: torch.nn.Module) -> None:
+    """Make every FSDP module of `model` reduce gradients with a plain sum (gloo has no PREMUL_SUM)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

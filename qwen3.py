@@ -1,0 +1,133 @@
+"""HF Qwen3 / Qwen3-MoE `config.json` -> torchtitan model: the file a fork edits for another model.
+
+`qwen3_model_config` maps the HF config onto torchtitan's Qwen3 builders (any size, dense or MoE);
+torchtitan's `Qwen3StateDictAdapter` maps the weights. Two module swaps make torchtitan 0.3.0 compute
+what HF computes: `DenseMaskAttention` (attn_type=sdpa: SDPA with a dense document mask, for CPU) and
+`ExpertsInInputDtype` (torchtitan's experts always compute in bfloat16), and MoE routing is built
+without torchtitan's load-balancing bias, which HF Qwen3-MoE does not have.
+`parallelize_keeping_tied_head` is torchtitan's parallelize_qwen3 with the tied lm_head kept tied.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.moe import GroupedExperts, MoE
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import (
+    _EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _LINEAR_INIT, _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm,
+    parallelize_qwen3,
+)
+from torchtitan.models.qwen3.model import Qwen3Model
+
+
+class DenseMaskAttention(FlexAttention):
+    """SDPA with a dense document-causal mask, taking the same BlockMask as Flex (the CPU path)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FlexAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: BlockMask, scale=None, enable_gqa=False, **_):
+        B, q_len, kv_len = q_BLNH.shape[0], q_BLNH.shape[1], k_BLNH.shape[1]  # CP: K/V are gathered
+        mask = create_mask(attention_masks.mask_mod, B, None, q_len, kv_len, device=q_BLNH.device)
+        out = F.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+
+
+class ExpertsInInputDtype(GroupedExperts):
+    """torchtitan's GroupedExperts computing in its input's dtype: its forward casts everything to
+    bfloat16, so a float32 model (CPU, parity tests) was not float32 in its experts (1e-2 off HF)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD, num_tokens_per_expert_E):
+        if x_RD.dtype == torch.bfloat16:
+            return super().forward(x_RD, num_tokens_per_expert_E)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        hidden = F.silu(self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offsets))
+        hidden = hidden * self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets)
+        return self._grouped_mm(A=hidden, B_t=w2.transpose(-2, -1), offs=offsets)
+
+
+def as_hf_qwen3_moe(model: Qwen3Model.Config) -> None:
+    """Qwen3-MoE as HF computes it: routing without torchtitan's load-balancing bias (an extra buffer
+    that would change at every step and that neither the HF export nor vLLM carries), experts in the
+    model's dtype."""
+    for _, moe, _, _ in model.traverse(MoE.Config):
+        moe.load_balance_coeff = None
+    for _, experts, parent, attr in list(model.traverse(GroupedExperts.Config)):
+        fields = {f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)}
+        parent.__setattr__(attr, ExpertsInInputDtype.Config(**fields))
+
+
+def qwen3_model_config(hf: dict, attn_type: str) -> Qwen3Model.Config:
+    """torchtitan Qwen3Model.Config from an HF Qwen3 / Qwen3-MoE config.json dict."""
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // n_heads
+    rope_params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta") or rope_params.get("rope_theta", 1e6)
+    if (hf.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ValueError("model.path: rope_scaling is not supported; use a model without it")
+    layer_args = dict(
+        n_layers=hf["num_hidden_layers"], dim=dim, n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        attn_backend="flex" if attn_type == "sdpa" else attn_type,
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=theta),
+    )
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 renamed it
+    if num_experts:
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1 or not hf.get("norm_topk_prob", True):
+            raise ValueError("model.path: Qwen3-MoE with dense layers or norm_topk_prob=false is not supported")
+        layers = _build_qwen3_moe_layers(
+            **layer_args, moe_hidden_dim=hf["moe_intermediate_size"], num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"], moe_comm_backend="standard",
+        )
+    else:
+        layers = _build_qwen3_layers(**layer_args, hidden_dim=hf["intermediate_size"])
+    tied, vocab = bool(hf.get("tie_word_embeddings", False)), hf["vocab_size"]
+    model = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=layers,
+    )
+    for _, norm, _, _ in model.traverse(RMSNorm.Config):
+        norm.eps = hf.get("rms_norm_eps", 1e-6)
+    if num_experts:
+        as_hf_qwen3_moe(model)
+    if attn_type == "sdpa":
+        for _, _, parent, attr in list(model.traverse(FlexAttention.Config)):
+            parent.__setattr__(attr, DenseMaskAttention.Config())
+    return model
+
+
+def parallelize_keeping_tied_head(model, **kwargs):
+    """torchtitan's parallelize_qwen3, re-tying lm_head and embedding between TP and FSDP.
+
+    TP distributes the two modules' weights separately, which unties them; FSDP then keeps
+    two sharded copies and the embedding trains on a stale one (seen: FSDP=2 x TP=2 step 2 off).
+    Both are Shard(0) over the vocab under TP, so one parameter serves both.
+    """
+    if model.enable_weight_tying:
+        tensor_parallelize = model.parallelize
+
+        def parallelize_then_retie(*args, **kw):
+            result = tensor_parallelize(*args, **kw)
+            model.tok_embeddings.weight = model.lm_head.weight
+            return result
+
+        model.parallelize = parallelize_then_retie
+    return parallelize_qwen3(model, **kwargs)
