@@ -16,6 +16,8 @@ import torch
 ATTN_TYPES = ("flex", "flex_flash", "varlen", "sdpa")
 AC_MODES = ("selective", "full", "none")
 SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
 
 
 @dataclass
@@ -96,7 +98,7 @@ class LRSchedulerConfig:
 
     warmup_steps: int = 0  # optimizer steps of linear warmup
     decay_ratio: float | None = 0.0  # share of steps, at the end, that decay; 0: constant (verl); None: all after warmup
-    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"  # shape of the decay (torchtitan)
     min_lr_factor: float = 0.0  # the decay ends at lr x this
 
 
@@ -233,14 +235,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
         raise ValueError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
                          "(torchtitan has no varlen CP); use flex")
-    if cfg.model.attn_type not in ATTN_TYPES:
-        raise ValueError(f"model.attn_type={cfg.model.attn_type!r} is unknown; use one of {ATTN_TYPES}")
-    if cfg.activation_checkpoint.mode not in AC_MODES:
-        raise ValueError(
-            f"activation_checkpoint.mode={cfg.activation_checkpoint.mode!r} is unknown; use one of {AC_MODES}"
-        )
-    if p.spmd_backend not in SPMD_BACKENDS + ("auto",):
-        raise ValueError(f"parallelism.spmd_backend={p.spmd_backend!r} is unknown; use auto or one of {SPMD_BACKENDS}")
     if resolve_spmd_backend(cfg) == "spmd_types" and _torch_version() < (2, 14):
         raise ValueError(
             f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
@@ -274,12 +268,14 @@ def validate(cfg: Config, world_size: int) -> None:
         if logger in cfg.trainer.logger and importlib.util.find_spec(module) is None:
             raise ValueError(f"trainer.logger has {logger} but the {module} package is not installed; "
                              f"pip install {module} or drop it from trainer.logger")
-    if cfg.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"algorithm.loss_agg_mode={cfg.algorithm.loss_agg_mode!r} is unknown; use one of {LOSS_AGG_MODES}")
-    if cfg.algorithm.kl_loss_type not in KL_TYPES:
-        raise ValueError(f"algorithm.kl_loss_type={cfg.algorithm.kl_loss_type!r} is unknown; use one of {KL_TYPES}")
 
 
+# string settings tyro leaves free (a Literal would fail with tyro's usage text, not one line)
+CHOICES = (
+    ("model.attn_type", ATTN_TYPES), ("activation_checkpoint.mode", AC_MODES),
+    ("parallelism.spmd_backend", ("auto",) + SPMD_BACKENDS), ("algorithm.loss_agg_mode", LOSS_AGG_MODES),
+    ("algorithm.kl_loss_type", KL_TYPES),
+)
 AT_LEAST_ONE = (
     "data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
     "rollout.n", "rollout.max_num_seqs", "rollout.tensor_parallel_size", "actor.ppo_mini_batch_size",
@@ -313,6 +309,9 @@ def _setting(cfg: Config, name: str):
 
 
 def _validate_ranges(cfg: Config) -> None:
+    for name, choices in CHOICES:
+        if _setting(cfg, name) not in choices:
+            raise ValueError(f"{name}={_setting(cfg, name)!r} is unknown; use one of {choices}")
     for name in AT_LEAST_ONE:
         if _setting(cfg, name) < 1:
             raise ValueError(f"{name}={_setting(cfg, name)} must be >= 1")
@@ -327,10 +326,6 @@ def _validate_output_dir(path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
         raise ValueError(f"trainer.output_dir={path} cannot be written ({existing} is not a writable dir); choose another")
-
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
 
 
 def _validate_attention(attn_type: str, device: str) -> None:
