@@ -8,5 +8,5 @@ source scripts_env.sh
 ensure_cpu_env
 ensure_spmd_env
 export TITAN_GRPO_SPMD_PYTHON=$PWD/.venv214/bin/python
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONFAULTHANDLER=1  # a crash prints its Python stack
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -2,13 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TESTS as HERE, free_port
+from conftest import ROOT, TESTS as HERE, free_port, run_torchrun
 from tiny import make_tiny_qwen3
 
 
@@ -41,7 +40,7 @@ def train(model_dir, data, out, steps, *extra, nproc=1):
             "--trainer.total_training_steps", str(steps), "--trainer.output_dir", str(out), *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
            os.path.join(ROOT, "loop.py"), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    result = run_torchrun(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     LAST_STDOUT[:] = [result.stdout]
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -57,7 +56,7 @@ def test_gradient_is_independent_of_micro_batching_and_dp(model_dir, tmp_path):
         out = str(tmp_path / f"{name}.pt")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
                str(free_port()), os.path.join(HERE, "gradient_worker.py"), out, model_dir, str(budget), *extra]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        result = run_torchrun(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = torch.load(out)
     want = runs["one_micro_batch"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TESTS as HERE, free_port
+from conftest import ROOT, TESTS as HERE, free_port, run_torchrun
 from tiny import make_tiny_qwen3
 
 
@@ -55,8 +55,8 @@ def assert_rollout_worker_matches(model_dir, tmp_path, layout, nproc=2):
     out = str(tmp_path / "result.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(free_port()),
            os.path.join(HERE, "rollout_worker.py"), out, model_dir, *layout]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    result = run_torchrun(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
     assert "Traceback" not in result.stderr, result.stderr[-5000:]  # the run ends cleanly, vLLM shut down
     got = torch.load(out)
