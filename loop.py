@@ -206,8 +206,8 @@ def score(cfg, tokenizer, response_ids: list[list[int]], truths: list[str]) -> l
 
 
 def step_seed(cfg: Config, step: int, engine) -> int:
-    """Sampling seed of a step on a DP rank: reproducible across resume, distinct across ranks (the offsets
-    are primes, so no two (step, rank) pairs share a seed)."""
+    """Sampling seed of a step on a DP rank: reproducible across resume, distinct across ranks (coprime
+    offsets: two (step, rank) pairs share a seed only with 1009 or more DP ranks)."""
     return cfg.rollout.seed * 1_000_003 + step * 1009 + engine.dp_rank * 17
 
 
