@@ -29,3 +29,14 @@ def run_torchrun(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         port = cmd.index("--master_port") + 1
         result = subprocess.run([*cmd[:port], str(free_port()), *cmd[port + 1:]], **kwargs)
     return result
+
+
+def run_worker(script: str, out, *args, env: dict | None = None):
+    """Run tests/<script> in a fresh single process (its argv: *args) and return what it saved to `out`."""
+    import torch
+
+    result = subprocess.run([sys.executable, os.path.join(TESTS, script), *map(str, args)], capture_output=True,
+                            text=True, timeout=900, cwd=ROOT,
+                            env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    return torch.load(out)

@@ -38,11 +38,12 @@ def well_formed(rollout, prompts, n: int, max_tokens: int) -> bool:
     return grouped and sampled and ends
 
 
-def mismatch(engine, sampler, seed: int, checks: dict) -> float:
-    """Largest |sampler log-prob - engine log-prob| over this rank's share of the prompts, all ranks."""
+def mismatch(engine, sampler, seed: int, checks: list[bool]) -> float:
+    """Largest |sampler log-prob - engine log-prob| over this rank's share of the prompts, all ranks;
+    appends whether the rollout was well formed to `checks`."""
     mine = PROMPTS[engine.dp_rank::engine.dp_size]
     rollout = share_within_model_parallel(engine, sampler.generate(mine, 3, seed=seed))
-    checks[f"well_formed_{seed}"] = well_formed(rollout, mine, 3, engine.cfg.data.max_response_length)
+    checks.append(well_formed(rollout, mine, 3, engine.cfg.data.max_response_length))
     samples = [Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]
     got = compute_logprobs(engine, samples, TEMPERATURE)
     want = torch.tensor([x for lp in rollout.logprobs for x in lp])
@@ -68,13 +69,13 @@ def main():
     validate(cfg, int(os.environ["WORLD_SIZE"]))
     engine = TorchTitanEngineWithLMHead(cfg)
     sampler = build_rollout(cfg, engine, [EOS])
-    checks = {}
+    checks = []
     result = {"init": mismatch(engine, sampler, 1, checks)}
     train_one_step(engine)
     result["stale"] = mismatch(engine, sampler, 2, checks)
     result["sync_s"] = max_over_ranks(sampler.sync_weights())
     result["synced"] = mismatch(engine, sampler, 2, checks)
-    result["well_formed"] = max_over_ranks(float(not all(checks.values()))) == 0.0  # every call on every rank
+    result["well_formed"] = max_over_ranks(float(not all(checks))) == 0.0  # every call on every rank
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()

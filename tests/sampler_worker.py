@@ -28,9 +28,10 @@ def native(engine, sampler, model_dir: str) -> dict:
     greedy = sampler.generate(PROMPTS, 4, greedy=True)
     hf_greedy = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=EOS,
                              pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    checks = {}
-    return {"greedy": greedy.response_ids, "hf_greedy": hf_greedy, "mismatch": mismatch(engine, sampler, 3, checks),
-            "well_formed": all(checks.values())}
+    checks = []
+    sampled_mismatch = mismatch(engine, sampler, 3, checks)
+    return {"greedy": greedy.response_ids, "hf_greedy": hf_greedy, "mismatch": sampled_mismatch,
+            "well_formed": all(checks)}
 
 
 def export(engine, sampler, model_dir: str) -> dict:

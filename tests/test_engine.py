@@ -8,13 +8,12 @@ steps atol 5e-4 (reduction order differs between layouts).
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TESTS as HERE, free_port, run_torchrun
+from conftest import TESTS as HERE, free_port, run_torchrun, run_worker
 from tiny import make_tiny_qwen3
 
 
@@ -62,12 +61,8 @@ def test_logprobs_match_hf_transformers(dense_dir, tmp_path):
 
 
 def checkpoint_worker(case, out, *args):
-    """Run tests/checkpoint_worker.py in a fresh process; what it saved."""
-    result = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_worker.py"), case, str(out), *map(str, args)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env={**os.environ, "MASTER_PORT": str(free_port())})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return torch.load(out)
+    """tests/checkpoint_worker.py CASE OUT ARGS in a fresh process; what it saved."""
+    return run_worker("checkpoint_worker.py", out, case, out, *args)
 
 
 LAYOUTS = {

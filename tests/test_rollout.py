@@ -2,13 +2,12 @@
 greedy equals HF generate; grouping, truncation and finish reasons."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TESTS as HERE, free_port, run_torchrun
+from conftest import ROOT, TESTS as HERE, free_port, run_torchrun, run_worker
 from tiny import make_tiny_qwen3
 
 
@@ -82,9 +81,5 @@ def test_hf_export_chats_and_serves_in_vllm(model_dir, tmp_path):
 
 
 def run_sampler_worker(case, model_dir, tmp_path):
-    out = str(tmp_path / f"{case}.pt")
-    result = subprocess.run([sys.executable, os.path.join(HERE, "sampler_worker.py"), case, out, model_dir],
-                            capture_output=True, text=True, timeout=900, cwd=ROOT,
-                            env={**os.environ, "MASTER_PORT": str(free_port()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
-    return torch.load(out)
+    out = tmp_path / f"{case}.pt"
+    return run_worker("sampler_worker.py", out, case, out, model_dir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
