@@ -23,6 +23,8 @@ import tempfile
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.components.checkpointer.utils import canonical_fqn
 
 from config import Config, validate
 from engine import TorchTitanEngineWithLMHead
@@ -327,43 +329,89 @@ def e2e(args, loop_flags: list[str]) -> dict:
     return report
 
 
-def rollout_reference(cfg, sampler, prompts, device: str) -> dict:
-    """Seconds and generated tokens of vLLM alone vs the loop's generate on the same prompts."""
+def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 2) -> dict:
+    """Seconds and generated tokens on the same prompts, each kind `rounds` times, interleaved: vLLM alone
+    (no log-probs, no detokenization), vLLM alone with the loop's log-prob request, the loop's generate."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    bare = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-                          max_tokens=cfg.data.max_response_length, detokenize=False)
-    with Timer(device) as alone:
-        outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], bare, use_tqdm=False)
-    alone_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-    with Timer(device) as looped:
-        rollout = sampler.generate(prompts, cfg.rollout.n, seed=1)
-    return dict(prompts=len(prompts), alone_s=alone.seconds, alone_tokens=alone_tokens, loop_s=looped.seconds,
-                loop_tokens=sum(len(r) for r in rollout.response_ids))
+    bare = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
+                detokenize=False)
+    kinds = {"alone": SamplingParams(**bare), "alone_logprobs": SamplingParams(**bare, logprobs=0, flat_logprobs=True)}
+    report = {"prompts": len(prompts)}
+    for _ in range(rounds):
+        for kind, params in kinds.items():
+            with Timer(device) as timer:
+                outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                               use_tqdm=False)
+            tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+            report.setdefault(f"{kind}_s", []).append(timer.seconds)
+            report.setdefault(f"{kind}_tokens", []).append(tokens)
+        with Timer(device) as timer:
+            rollout = sampler.generate(prompts, cfg.rollout.n, seed=1)
+        report.setdefault("loop_s", []).append(timer.seconds)
+        report.setdefault("loop_tokens", []).append(sum(len(r) for r in rollout.response_ids))
+    return report
 
 
 def sync_parts(engine, sampler, device: str) -> dict:
-    """The weight sync with vLLM awake (export + reload only), then the loop's sync from sleep in parts."""
-    with Timer(device) as awake:
-        sampler.sync_weights()
-    sampler.sleep()
-    with Timer(device) as asleep:
-        sampler.sync_weights()
-    sampler.sleep()
-    with Timer(device) as wake:
-        sampler.llm.wake_up(tags=["weights"])
-    with Timer(device) as export:
-        weights = list(engine.export_hf_weights(dtype=sampler.dtype))
-    with Timer(device) as reload:
-        sampler.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                             "is_checkpoint_format": True})
-    with Timer(device) as wake_kv:
-        sampler.llm.wake_up(tags=["kv_cache"])
-    sampler.sleeping = False
-    return dict(sync_awake_s=awake.seconds, sync_s=asleep.seconds, wake_weights_s=wake.seconds,
-                export_s=export.seconds, reload_s=reload.seconds, wake_kv_s=wake_kv.seconds,
-                gb=sum(t.numel() * t.element_size() for _, t in weights) / 2**30)
+    """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, and what the parts cost
+    done another way: the garbage collections vLLM's sleep and wake run, the allocator, an in-place load."""
+    parts = {}
+
+    def timed(name, fn):
+        with Timer(device) as timer:
+            result = fn()
+        parts[f"{name}_s"] = timer.seconds
+        return result
+
+    timed("sync_awake", sampler.sync_weights)
+    can_sleep = sampler.llm.llm_engine.vllm_config.model_config.enable_sleep_mode
+    if can_sleep:
+        timed("sleep", sampler.sleep)
+        timed("sync", sampler.sync_weights)
+        sampler.sleep()
+        timed("wake_weights", lambda: sampler.llm.wake_up(tags=["weights"]))
+    timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))  # freed at once: cache warm
+    weights = timed("export_warm_cache", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
+    timed("export_one_buffer", lambda: export_into_one_buffer(engine, sampler.dtype))
+    timed("reload", lambda: sampler.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                                                "is_checkpoint_format": True}))
+    if device == "cuda":  # vLLM CPU repacks its weights after a load: its parameters lose their loaders
+        timed("load_in_place", lambda: sampler.llm.collective_rpc(load_in_place, args=(weights,)))
+    if can_sleep:
+        timed("wake_kv", lambda: sampler.llm.wake_up(tags=["kv_cache"]))
+        sampler.sleeping = False
+    parts["gb"] = sum(t.numel() * t.element_size() for _, t in weights) / 2**30
+    weights.clear()  # the exported copies go before the collections are timed
+    parts["unfrozen_objects"] = len(gc.get_objects())
+    timed("gc_collect", gc.collect)  # what each vLLM sleep/wake walks now
+    gc.unfreeze()
+    parts["all_objects"] = len(gc.get_objects())
+    timed("gc_collect_all", gc.collect)  # every object, vLLM's start-up heap included
+    gc.freeze()
+    if device == "cuda":
+        timed("empty_cache", torch.cuda.empty_cache)
+    sampler.sync_weights()  # the trainer's weights again, through the loop's path
+    return parts
+
+
+def export_into_one_buffer(engine, dtype) -> list:
+    """export_hf_weights' tensors as views of one buffer: one allocation instead of one per tensor (1 GPU)."""
+    state = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in engine.model.state_dict().items()}
+    buffer = torch.empty(sum(t.numel() for t in state.values()), dtype=dtype, device=engine.device)
+    offset, out = 0, []
+    for name, tensor in state.items():
+        view = buffer[offset:offset + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        offset += tensor.numel()
+        out.extend(engine.sd_adapter.to_hf({canonical_fqn(name): view}).items())
+    return out
+
+
+def load_in_place(worker, weights) -> None:
+    """vLLM's model.load_weights on a live engine, without reload_weights' per-layer staging and processing."""
+    worker.model_runner.model.load_weights(iter(weights))
 
 
 def print_e2e(report: dict) -> None:
@@ -373,11 +421,11 @@ def print_e2e(report: dict) -> None:
               + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
               f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}")
     r, s = report["rollout"], report["sync"]
-    print(f"rollout of {r['prompts']} prompts: vLLM alone {r['alone_s']:.2f} s ({r['alone_tokens']} tokens), "
-          f"loop's generate {r['loop_s']:.2f} s ({r['loop_tokens']} tokens): {r['loop_s'] / r['alone_s']:.2f}x")
-    print(f"weight sync from sleep {s['sync_s']:.3f} s (awake: {s['sync_awake_s']:.3f} s); parts: wake weights "
-          f"{s['wake_weights_s']:.3f}, export {s['export_s']:.3f} ({s['gb']:.2f} GB), reload {s['reload_s']:.3f}, "
-          f"wake KV cache {s['wake_kv_s']:.3f}")
+    alone = min(r["alone_s"])
+    print(f"rollout of {r['prompts']} prompts, fastest of {len(r['alone_s'])}: vLLM alone {alone:.2f} s "
+          f"({r['alone_tokens'][0]} tokens), with log-probs {min(r['alone_logprobs_s']):.2f} s, the loop's generate "
+          f"{min(r['loop_s']):.2f} s ({r['loop_tokens'][0]} tokens): {min(r['loop_s']) / alone:.2f}x")
+    print("weight sync: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
 
 
 def read_trace(path: str, top: int = 40) -> None:

@@ -308,6 +308,8 @@ class TorchTitanEngine:
         before the gather; tied lm_head.weight included."""
         yielded = set()
         for name, tensor in self.model.state_dict().items():
+            if isinstance(tensor, DTensor) and tensor.device_mesh.size() == 1:
+                tensor = tensor.to_local()  # one rank holds it all: no gather, no per-op DTensor dispatch
             if dtype is not None:
                 tensor = tensor.to(dtype)  # a DTensor casts its local shard: the gather moves fewer bytes
             if isinstance(tensor, DTensor):
