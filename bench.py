@@ -23,8 +23,6 @@ import tempfile
 import time
 
 import torch
-from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpointer.utils import canonical_fqn
 
 from config import Config, validate
 from engine import TorchTitanEngineWithLMHead
@@ -355,8 +353,8 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 2) -> di
 
 
 def sync_parts(engine, sampler, device: str) -> dict:
-    """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, and what the parts cost
-    done another way: the garbage collections vLLM's sleep and wake run, the allocator, an in-place load."""
+    """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, an in-place load instead
+    of vLLM's reload, and what the garbage collection that vLLM's sleep and wake run walks."""
     parts = {}
 
     def timed(name, fn):
@@ -372,9 +370,7 @@ def sync_parts(engine, sampler, device: str) -> dict:
         timed("sync", sampler.sync_weights)
         sampler.sleep()
         timed("wake_weights", lambda: sampler.llm.wake_up(tags=["weights"]))
-    timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))  # freed at once: cache warm
-    weights = timed("export_warm_cache", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
-    timed("export_one_buffer", lambda: export_into_one_buffer(engine, sampler.dtype))
+    weights = timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
     timed("reload", lambda: sampler.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                                                 "is_checkpoint_format": True}))
     if device == "cuda":  # vLLM CPU repacks its weights after a load: its parameters lose their loaders
@@ -397,19 +393,6 @@ def sync_parts(engine, sampler, device: str) -> dict:
         timed("empty_cache", torch.cuda.empty_cache)
     sampler.sync_weights()  # the trainer's weights again, through the loop's path
     return parts
-
-
-def export_into_one_buffer(engine, dtype) -> list:
-    """export_hf_weights' tensors as views of one buffer: one allocation instead of one per tensor (1 GPU)."""
-    state = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in engine.model.state_dict().items()}
-    buffer = torch.empty(sum(t.numel() for t in state.values()), dtype=dtype, device=engine.device)
-    offset, out = 0, []
-    for name, tensor in state.items():
-        view = buffer[offset:offset + tensor.numel()].view(tensor.shape)
-        view.copy_(tensor)
-        offset += tensor.numel()
-        out.extend(engine.sd_adapter.to_hf({canonical_fqn(name): view}).items())
-    return out
 
 
 def load_in_place(worker, weights) -> None:

@@ -53,7 +53,7 @@ class RolloutConfig:
     max_model_len: int | None = None  # default: max_prompt_length + max_response_length
     enforce_eager: bool = False  # True disables CUDA graphs in vLLM (always True on CPU)
     tensor_parallel_size: int = 1  # vLLM TP group size (external_launcher when > 1)
-    free_cache_engine: bool = True  # sleep vLLM during the actor update, wake before generation
+    free_cache_engine: bool = True  # sleep vLLM during the actor update, wake at the sync (verl; run.sh: False on GPU)
     seed: int = 0  # sampling seed
 
 

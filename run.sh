@@ -53,7 +53,10 @@ MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-0.6B}
 if [ ! -d "$MODEL_PATH" ]; then  # a hub id: download once
   MODEL_PATH=$($PY -c "from engine import load_model_dir; print(load_model_dir('$MODEL_PATH'))")
 fi
-DEVICE_ARGS=()
+# on a GPU vLLM stays awake through the update: Qwen3-0.6B's trainer fits beside it (one H200: 83 GB peak, awake or
+# not) and a sleep/wake cycle costs ~2 s a step (bench.py --e2e); for a model that does not fit, pass
+# --rollout.free_cache_engine True (vLLM frees its memory during the update)
+DEVICE_ARGS=(--rollout.free_cache_engine False)
 [ "$NUM_GPUS" -eq 0 ] && DEVICE_ARGS=(--trainer.device cpu --model.attn_type sdpa --model.dtype float32
   --rollout.enforce_eager True --rollout.gpu_memory_utilization 0.15)  # vLLM CPU: KV cache = 0.15 x RAM
 # verl's GSM8K GRPO recipe: 256 prompts x 5, mini-batch 64, lr 1e-6 constant, clip 0.2, no KL, entropy 0
