@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.utils import canonical_fqn
@@ -181,7 +182,23 @@ class TorchTitanEngine:
         self.sd_adapter = self.checkpointer.sd_adapter
         if self.device_type == "cpu":
             cpu.use_sum_reduction(self.model)
+        self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        if self.parallel_dims.dp_shard * self.parallel_dims.cp == 1:
+            self._gather_once_per_block()
         self.loaded_step = self._load()
+
+    def _gather_once_per_block(self) -> None:
+        """FSDP on a one-rank shard group (one GPU, TP only): the masters are whole, so resharding saves no
+        memory. Keep the gathered (bf16) params from the first forward of a block of micro-batches until
+        `_reshard` ends it (optimizer step, mode exit), instead of gathering per layer, micro-batch and pass."""
+        for module in self.fsdp_modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+
+    def _reshard(self) -> None:
+        """Back to the sharded masters (with their grads): before an optimizer step, and at a mode's exit."""
+        for module in self.fsdp_modules:
+            module.reshard()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -242,6 +259,7 @@ class TorchTitanEngine:
         try:
             yield
         finally:
+            self._reshard()
             self.model.train(was_training)
 
     @contextlib.contextmanager
@@ -253,6 +271,7 @@ class TorchTitanEngine:
             with torch.no_grad():
                 yield
         finally:
+            self._reshard()
             self.model.train(was_training)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -262,6 +281,7 @@ class TorchTitanEngine:
 
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip grads, step the optimizer unless the norm is non-finite; returns (grad_norm, stepped)."""
+        self._reshard()  # the masters' grads are what clip and step see; the next forward gathers the new weights
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.cfg.actor.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled,

@@ -57,6 +57,8 @@ def main():
     with engine.eval_mode():
         result["logprobs"] = engine.forward(*packed(seqs), temperature=0.9)[0].cpu()
         result["full_logits"] = engine.full_logits(*packed(seqs)[:2]).float().cpu()
+    masters = {id(p) for group in engine.optimizers.optimizers[0].param_groups for p in group["params"]}
+    result["masters_registered"] = {id(p) for p in engine.model.parameters()} == masters  # not gathered copies
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights

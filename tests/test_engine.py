@@ -148,6 +148,12 @@ def test_spmd_backends_agree_in_one_process(dense_dir, tmp_path):
     assert torch.allclose(runs[1]["logprobs"], runs[0]["logprobs"], atol=1e-4)
 
 
+def test_modes_end_with_the_sharded_masters_registered(reference):
+    """One process keeps FSDP's gathered params through a block of forwards; after the block the model holds
+    the optimizer's parameters again (an export or checkpoint reads them, the next block gathers fresh ones)."""
+    assert reference["masters_registered"]
+
+
 def hf_logprobs_with(model_dir, weights, checkpoint_dir, temperature=0.9):
     """Log-probs of engine_worker's fixed batch (packed order, 0 at each sequence end) by HF transformers
     (float32) loading `weights` as a checkpoint (transformers 5 fuses the experts on load)."""
