@@ -191,12 +191,10 @@ def resolve_spmd_backend(cfg: Config) -> str:
     """spmd_types on torch >= 2.14, partial_dtensor before (spmd_types needs 2.14)."""
     if cfg.parallelism.spmd_backend != "auto":
         return cfg.parallelism.spmd_backend
-    return "spmd_types" if _torch_version() >= (2, 14) else "partial_dtensor"
+    return "spmd_types" if TORCH_2_14 else "partial_dtensor"
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return major, minor
+TORCH_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14)
 
 
 def dp_shard_degree(p: ParallelismConfig, world_size: int) -> int:
@@ -204,70 +202,53 @@ def dp_shard_degree(p: ParallelismConfig, world_size: int) -> int:
     if p.data_parallel_shard_degree != -1:
         return p.data_parallel_shard_degree
     others = p.data_parallel_replicate_degree * p.tensor_parallel_degree
-    others *= p.context_parallel_degree * p.pipeline_parallel_degree
-    return max(world_size // others, 1)
+    return max(world_size // (others * p.context_parallel_degree * p.pipeline_parallel_degree), 1)
 
 
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ValueError / NotImplementedError with one line naming the setting and the fix."""
-    p, device = cfg.parallelism, resolve_device(cfg)
+    p, device, a = cfg.parallelism, resolve_device(cfg), cfg.actor
     _validate_ranges(cfg)
     if p.pipeline_parallel_degree > 1:
-        raise NotImplementedError(
-            "parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
-            "in titan-grpo; use FSDP/TP/CP/EP (set it to 1)"
-        )
-    mesh = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
-    mesh *= p.tensor_parallel_degree * p.context_parallel_degree
-    if mesh != world_size:
-        raise ValueError(
-            f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "
-            f"tensor_parallel_degree x context_parallel_degree = {mesh} != world size "
-            f"{world_size}; make the product equal the number of processes"
-        )
+        raise NotImplementedError("parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
+                                  "in titan-grpo; use FSDP/TP/CP/EP (set it to 1)")
+    dp = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
     model_parallel = p.tensor_parallel_degree * p.context_parallel_degree
+    if dp * model_parallel != world_size:
+        raise ValueError(f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x tensor_parallel_"
+                         f"degree x context_parallel_degree = {dp * model_parallel} != world size {world_size}; make "
+                         "the product equal the number of processes")
     if cfg.rollout.name == "vllm" and model_parallel % cfg.rollout.tensor_parallel_size:
-        raise ValueError(
-            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide tensor_parallel_degree x "
-            f"context_parallel_degree = {model_parallel}: a vLLM TP group must hold only ranks that share one batch; "
-            "set it to a divisor of that product"
-        )
+        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide tensor_parallel_"
+                         f"degree x context_parallel_degree = {model_parallel}: a vLLM TP group must hold only ranks "
+                         "that share one batch; set it to a divisor of that product")
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
         raise ValueError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
                          "(torchtitan has no varlen CP); use flex")
-    if resolve_spmd_backend(cfg) == "spmd_types" and _torch_version() < (2, 14):
-        raise ValueError(
-            f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
-            "use --parallelism.spmd_backend partial_dtensor"
-        )
+    if resolve_spmd_backend(cfg) == "spmd_types" and not TORCH_2_14:
+        raise ValueError(f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
+                         "use --parallelism.spmd_backend partial_dtensor")
     _validate_attention(cfg.model.attn_type, device)
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
     _validate_model_dir(cfg.model.path)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if cfg.actor.max_tokens_per_micro_batch < longest:
-        raise ValueError(
-            f"actor.max_tokens_per_micro_batch={cfg.actor.max_tokens_per_micro_batch} is smaller than one "
-            f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}"
-        )
-    if cfg.actor.enable_cpu_offload and device == "cpu":
+    if a.max_tokens_per_micro_batch < longest:
+        raise ValueError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is smaller than one "
+                         f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}")
+    if a.enable_cpu_offload and device == "cpu":
         raise ValueError("actor.enable_cpu_offload=True needs a GPU (FSDP offloads from GPU memory); set it False on CPU")
-    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
-        raise ValueError(
-            f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
-            f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}; make it one"
-        )
-    dp = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
-    if cfg.actor.ppo_mini_batch_size % dp:
-        raise ValueError(
-            f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} prompts do not split over {dp} data-parallel "
-            f"ranks; make it (and data.train_batch_size) a multiple of {dp}"
-        )
+    if cfg.data.train_batch_size % a.ppo_mini_batch_size:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it one")
+    if a.ppo_mini_batch_size % dp:
+        raise ValueError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts do not split over {dp} data-"
+                         f"parallel ranks; make it (and data.train_batch_size) a multiple of {dp}")
     _validate_output_dir(cfg.trainer.output_dir)
-    for logger, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-        if logger in cfg.trainer.logger and importlib.util.find_spec(module) is None:
-            raise ValueError(f"trainer.logger has {logger} but the {module} package is not installed; "
-                             f"pip install {module} or drop it from trainer.logger")
+    for logger in ("tensorboard", "wandb"):
+        if logger in cfg.trainer.logger and importlib.util.find_spec(logger) is None:
+            raise ValueError(f"trainer.logger has {logger} but the {logger} package is not installed; "
+                             f"pip install {logger} or drop it from trainer.logger")
 
 
 # string settings tyro leaves free (a Literal would fail with tyro's usage text, not one line)
@@ -330,15 +311,11 @@ def _validate_output_dir(path: str) -> None:
 
 def _validate_attention(attn_type: str, device: str) -> None:
     if device == "cpu" and attn_type != "sdpa":
-        raise ValueError(
-            f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
-            "use --model.attn_type sdpa on CPU"
-        )
+        raise ValueError(f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
+                         "use --model.attn_type sdpa on CPU")
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
     if attn_type == "flex_flash" and capability < (9, 0):
-        raise ValueError(
-            "model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex"
-        )
+        raise ValueError("model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex")
     # the kernels torch loads for these on Hopper / Blackwell ship outside the pinned set (no registry wheel)
     needed = {"flex_flash": ("flash_attn.cute", "flash-attn-4 (FA4's CuTe kernels)")}
     if attn_type == "varlen" and capability >= (9, 0):

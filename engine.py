@@ -49,11 +49,9 @@ def init_process_group(device: str) -> None:
     """Init torch.distributed (nccl on GPU, gloo on CPU); works without torchrun too."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+        os.environ.setdefault(name, value)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # gloo beside nccl: small bookkeeping collectives (counts, flags, objects) run on CPU tensors
@@ -180,6 +178,9 @@ class TorchTitanEngine:
         self.optimizers, self.lr_schedulers = self.trainer.optimizers, self.trainer.lr_schedulers
         self.checkpointer, self.device = self.trainer.checkpointer, self.trainer.device
         self.sd_adapter = self.checkpointer.sd_adapter
+        self.dp_mesh = self.parallel_dims.get_optional_mesh("batch")  # None without data parallelism
+        mesh = self.dp_mesh
+        self.dp_rank, self.dp_size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
         if self.device_type == "cpu":
             cpu.use_sum_reduction(self.model)
         self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
@@ -190,7 +191,8 @@ class TorchTitanEngine:
     def _gather_once_per_block(self) -> None:
         """FSDP on a one-rank shard group (one GPU, TP only): the masters are whole, so resharding saves no
         memory. Keep the gathered (bf16) params from the first forward of a block of micro-batches until
-        `_reshard` ends it (optimizer step, mode exit), instead of gathering per layer, micro-batch and pass."""
+        `_reshard` ends it (optimizer step, mode exit), instead of gathering per layer, micro-batch and pass.
+        Until then the module holds the gathered copies; the masters' grads show again after it."""
         for module in self.fsdp_modules:
             module.set_reshard_after_forward(False, recurse=False)
             module.set_reshard_after_backward(False, recurse=False)
@@ -223,18 +225,6 @@ class TorchTitanEngine:
         return self.trainer.step
 
     # ------------------------------------------------------------------ data parallel
-
-    @property
-    def dp_mesh(self):
-        return self.parallel_dims.get_optional_mesh("batch")
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp_mesh.size() if self.dp_mesh is not None else 1
 
     def dp_all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce a copy of a tensor over data-parallel ranks (identity without DP)."""

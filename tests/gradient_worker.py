@@ -34,7 +34,7 @@ def main():
     mine = samples[engine.dp_rank::engine.dp_size]
     with engine.train_mode():
         metrics = forward_backward_batch(engine, mine, grpo_loss_fn(cfg, tokens, len(samples)), 1.0)
-        grad = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])
+    grad = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])  # the masters' again
     loss = engine.dp_sum(torch.tensor([metrics["actor/pg_loss"]])).item()
     if engine.dp_rank == 0:
         torch.save({"grad": grad, "pg_loss": loss}, out)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from config import _torch_version, parse_cli, validate
+from config import TORCH_2_14, parse_cli, validate
 
 MODEL_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "titan_grpo_config_model")
 os.makedirs(MODEL_DIR, exist_ok=True)
@@ -53,7 +53,7 @@ def test_bad_input_message(flags, world, message):
         validate(cfg, world)
 
 
-@pytest.mark.skipif(_torch_version() >= (2, 14), reason="this env has torch >= 2.14")
+@pytest.mark.skipif(TORCH_2_14, reason="this env has torch >= 2.14")
 def test_spmd_types_needs_torch_2_14():
     with pytest.raises(ValueError, match="spmd_types needs torch >= 2.14"):
         validate(parse_cli(GOOD + ["--parallelism.spmd_backend", "spmd_types"]), 1)
