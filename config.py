@@ -68,7 +68,8 @@ class ParallelismConfig:
     expert_parallel_degree: int = 1  # shards MoE experts (borrows from the FSDP and TP ranks)
     pipeline_parallel_degree: int = 1  # accepted, not implemented
     enable_sequence_parallel: bool = True  # with TP
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"  # free gathered params after forward
+    # free the gathered params after each forward (torchtitan's); a one-rank shard group keeps them per block instead
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     spmd_backend: str = "auto"  # spmd_types (torch >= 2.14) | partial_dtensor | full_dtensor; auto picks
 
 
