@@ -179,12 +179,12 @@ class TorchTitanEngine:
         self.checkpointer, self.device = self.trainer.checkpointer, self.trainer.device
         self.sd_adapter = self.checkpointer.sd_adapter
         self.dp_mesh = self.parallel_dims.get_optional_mesh("batch")  # None without data parallelism
-        mesh = self.dp_mesh
-        self.dp_rank, self.dp_size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+        self.dp_rank = self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+        self.dp_size = self.dp_mesh.size() if self.dp_mesh is not None else 1
         if self.device_type == "cpu":
             cpu.use_sum_reduction(self.model)
         self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        if self.parallel_dims.dp_shard * self.parallel_dims.cp == 1:
+        if not self.parallel_dims.fsdp_enabled:  # torchtitan's: the FSDP shard group (dp_shard x cp) is one rank
             self._gather_once_per_block()
         self.loaded_step = self._load()
 
