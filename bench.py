@@ -353,9 +353,9 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 2) -> di
 
 
 def sync_parts(engine, sampler, device: str) -> dict:
-    """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, an in-place load instead
-    of vLLM's reload, and what the garbage collection that vLLM's sleep and wake run walks."""
-    parts = {}
+    """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, and what the garbage
+    collection that an in-process vLLM's sleep and wake run walks."""
+    parts = {"engine_in_own_process": sampler.own_process}
 
     def timed(name, fn):
         with Timer(device) as timer:
@@ -371,20 +371,14 @@ def sync_parts(engine, sampler, device: str) -> dict:
         sampler.sleep()
         timed("wake_weights", lambda: sampler.llm.wake_up(tags=["weights"]))
     weights = timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
-    timed("reload", lambda: sampler.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                                                "is_checkpoint_format": True}))
-    if device == "cuda":  # vLLM CPU repacks its weights after a load: its parameters lose their loaders
-        try:
-            timed("load_in_place", lambda: sampler.llm.collective_rpc(load_in_place, args=(weights,)))
-        except Exception as error:  # an alternative that fails here is a finding, not the end of the report
-            parts["load_in_place_error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    timed("load", lambda: sampler.load(weights))
     if can_sleep:
         timed("wake_kv", lambda: sampler.llm.wake_up(tags=["kv_cache"]))
         sampler.sleeping = False
     parts["gb"] = sum(t.numel() * t.element_size() for _, t in weights) / 2**30
     weights.clear()  # the exported copies go before the collections are timed
     parts["unfrozen_objects"] = len(gc.get_objects())
-    timed("gc_collect", gc.collect)  # what each vLLM sleep/wake walks now
+    timed("gc_collect", gc.collect)  # what each in-process vLLM sleep/wake walks now
     gc.unfreeze()
     parts["all_objects"] = len(gc.get_objects())
     timed("gc_collect_all", gc.collect)  # every object, vLLM's start-up heap included
@@ -393,11 +387,6 @@ def sync_parts(engine, sampler, device: str) -> dict:
         timed("empty_cache", torch.cuda.empty_cache)
     sampler.sync_weights()  # the trainer's weights again, through the loop's path
     return parts
-
-
-def load_in_place(worker, weights) -> None:
-    """vLLM's model.load_weights on a live engine, without reload_weights' per-layer staging and processing."""
-    worker.model_runner.model.load_weights(iter(weights))
 
 
 def print_e2e(report: dict) -> None:

@@ -9,7 +9,6 @@ Every setting is a `--section.field value` flag of config.py.
 
 import copy
 import fcntl
-import gc
 import json
 import os
 import resource
@@ -282,21 +281,12 @@ def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -
     metrics = update_actor(cfg, engine, samples)
     timings["update_actor"] = time.perf_counter() - t
 
-    freeze_live_objects()  # before the sync: vLLM's sleep and wake each run a full gc.collect()
     timings["update_weights"] = sampler.sync_weights()
     timings["step"] = time.perf_counter() - t0
     metrics.update(rollout_metrics(cfg, engine, samples, rollout, rewards))
     metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
     metrics.update(perf_metrics(engine, samples, timings))
     return metrics
-
-
-def freeze_live_objects() -> None:
-    """Collect garbage once, then keep the survivors out of later cycle collections: vLLM runs a full
-    gc.collect() in each sleep and wake, and torch.compile's many long-lived objects made each one slow
-    (vLLM freezes its own start-up heap for the same reason). Frozen objects are still freed by refcount."""
-    gc.collect()
-    gc.freeze()
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -71,6 +71,8 @@ def main():
     sampler = build_rollout(cfg, engine, [EOS])
     checks = []
     result = {"init": mismatch(engine, sampler, 1, checks)}
+    draws = [sampler.generate(PROMPTS, 3, seed=seed).response_ids for seed in (1, 1, 3)]
+    result["seeded"] = max_over_ranks(float(draws[0] != draws[1] or draws[0] == draws[2])) == 0.0
     train_one_step(engine)
     result["stale"] = mismatch(engine, sampler, 2, checks)
     result["sync_s"] = max_over_ranks(sampler.sync_weights())
@@ -79,8 +81,9 @@ def main():
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()
-    sampler.close()  # destroys the default process group, as at the end of loop.train
-    assert not dist.is_initialized()
+    sampler.close()  # an in-process vLLM's teardown destroys the default process group, as at the end of loop.train
+    if dist.is_initialized():  # an engine in its own process leaves it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -107,29 +107,6 @@ def test_resume_continues_the_same_run(model_dir, tasks, tmp_path):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
-def test_freeze_live_objects_collects_garbage_before_freezing():
-    """Frozen objects are skipped by every later collection: garbage cycles must go first, live objects stay."""
-    import gc
-    import weakref
-
-    from loop import freeze_live_objects
-
-    class Node:
-        pass
-
-    cycle = Node()
-    cycle.myself = cycle
-    cycle_alive = weakref.ref(cycle)
-    del cycle
-    live = Node()
-    try:
-        freeze_live_objects()
-        assert cycle_alive() is None, "a garbage cycle was frozen instead of collected"
-        assert all(obj is not live for obj in gc.get_objects()), "a live object is still walked by gc.collect()"
-    finally:
-        gc.unfreeze()
-
-
 def assert_tensorboard_equals_jsonl(out, rows):
     """Every metric of every metrics.jsonl row is a TensorBoard scalar at its step, with its value."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

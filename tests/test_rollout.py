@@ -60,9 +60,29 @@ def assert_rollout_worker_matches(model_dir, tmp_path, layout, nproc=2):
     assert "Traceback" not in result.stderr, result.stderr[-5000:]  # the run ends cleanly, vLLM shut down
     got = torch.load(out)
     assert got["well_formed"]
+    assert got["seeded"]  # the same seed draws the same responses, another seed others
     assert got["init"] < 1e-4  # the engine started from dummy weights and took the trainer's
     assert got["stale"] > 1e-2  # a stale sampler is caught
     assert got["synced"] < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_weights_read_back_by_vllms_unpacker(dtype):
+    """The one-buffer weight update for an engine in its own process: vLLM's reader gives back every tensor."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    from rollout import pack_weights
+
+    weights = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7)),
+               ("c.weight", torch.randn(2, 2, 2).transpose(0, 2))]  # not contiguous
+    weights = [(name, tensor.to(dtype)) for name, tensor in weights]
+    buffer, layout = pack_weights(weights)
+    got = unpack_tensor(buffer, layout["names"], layout["shapes"], [getattr(torch, d) for d in layout["dtype_names"]],
+                        layout["tensor_sizes"])
+    assert [name for name, _ in got] == [name for name, _ in weights]
+    for (_, want), (_, tensor) in zip(weights, got):
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want)
 
 
 def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_dir, tmp_path):
@@ -78,6 +98,29 @@ def test_hf_export_chats_and_serves_in_vllm(model_dir, tmp_path):
     pytest.importorskip("vllm")
     got = run_sampler_worker("export", model_dir, tmp_path)
     assert got["served"] == got["hf"]
+
+
+def test_freeze_live_objects_collects_garbage_before_freezing():
+    """Frozen objects are skipped by every later collection: garbage cycles must go first, live objects stay."""
+    import gc
+    import weakref
+
+    from rollout import freeze_live_objects
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.myself = cycle
+    cycle_alive = weakref.ref(cycle)
+    del cycle
+    live = Node()
+    try:
+        freeze_live_objects()
+        assert cycle_alive() is None, "a garbage cycle was frozen instead of collected"
+        assert all(obj is not live for obj in gc.get_objects()), "a live object is still walked by gc.collect()"
+    finally:
+        gc.unfreeze()
 
 
 def run_sampler_worker(case, model_dir, tmp_path):
