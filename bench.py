@@ -354,8 +354,8 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 2) -> di
 
 def sync_parts(engine, sampler, device: str) -> dict:
     """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, and what the garbage
-    collection that an in-process vLLM's sleep and wake run walks."""
-    parts = {"engine_in_own_process": sampler.own_process}
+    collection that vLLM's sleep and wake run walks."""
+    parts = {}
 
     def timed(name, fn):
         with Timer(device) as timer:
@@ -378,7 +378,7 @@ def sync_parts(engine, sampler, device: str) -> dict:
     parts["gb"] = sum(t.numel() * t.element_size() for _, t in weights) / 2**30
     weights.clear()  # the exported copies go before the collections are timed
     parts["unfrozen_objects"] = len(gc.get_objects())
-    timed("gc_collect", gc.collect)  # what each in-process vLLM sleep/wake walks now
+    timed("gc_collect", gc.collect)  # what each vLLM sleep/wake walks now
     gc.unfreeze()
     parts["all_objects"] = len(gc.get_objects())
     timed("gc_collect_all", gc.collect)  # every object, vLLM's start-up heap included

@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,23 +37,14 @@ def build_rollout(cfg: Config, engine, eos_token_ids: list[int]):
 
 
 class VLLMRollout:
-    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher).
+    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process.
 
-    On one GPU the engine runs in its own process (vLLM's default), so that its host-side work, such
-    as the per-token log-probs, overlaps the GPU's; it takes the weights over CUDA IPC. Otherwise it
-    runs in-process (torchrun's ranks, vLLM CPU) and reloads them in place. VLLM_ENABLE_V1_MULTIPROCESSING=0
-    keeps it in-process on one GPU too. The engine starts from dummy weights and takes the trainer's at
-    once (as verl does): no second read of the checkpoint, and a random-init or resumed trainer is what
-    gets sampled.
+    The engine starts from dummy weights and takes the trainer's at once (as verl does): no
+    second read of the checkpoint, and a random-init or resumed trainer is what gets sampled.
     """
 
     def __init__(self, cfg: Config, engine):
-        on_gpu = engine.device_type == "cuda"
-        self.own_process = (on_gpu and dist.get_world_size() == 1
-                            and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.own_process else "0"
-        if self.own_process:  # IPC handles and the seeding function reach our own child process by pickle
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: weights reload in place
         try:
             from vllm import LLM
         except ImportError as error:
@@ -60,7 +52,11 @@ class VLLMRollout:
                 f"rollout.name=vllm but vllm cannot be imported ({error}); install the pinned set "
                 "(bash run.sh does) or use --rollout.name native"
             ) from error
+        # the in-place reload warns for every layer whose only tensors no checkpoint holds (RoPE's cos/sin
+        # cache, which it keeps as it was): one line per sync and rank, about nothing
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cfg, self.engine = cfg, engine
+        on_gpu = engine.device_type == "cuda"
         self.dtype = torch.bfloat16 if on_gpu and cfg.model.dtype == "bfloat16" else torch.float32
         self.llm = LLM(
             model=engine.model_dir,
@@ -75,11 +71,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
             seed=cfg.rollout.seed + dist.get_rank() // cfg.rollout.tensor_parallel_size,
             load_format="dummy",
-            weight_transfer_config={"backend": "ipc"} if self.own_process else None,
         )
-        self.llm.collective_rpc(quiet_reload_warnings)
-        if self.own_process:
-            self.llm.collective_rpc("init_weight_transfer_engine", args=({"packed": True},))
         self.sleeping = False
         self.sync_weights()
 
@@ -97,11 +89,11 @@ class VLLMRollout:
             detokenize=False,  # the loop decodes the texts it scores itself
         )
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-        # one seed for the whole call: per-request seeds make vLLM draw each request's noise separately;
-        # an in-process engine shares the trainer's RNG, which fork_rng restores afterwards
+        # one seed for the whole call: per-request seeds make vLLM draw each request's noise separately
         with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
                                    else []):
-            self.llm.collective_rpc(seed_sampler, args=(seed,))
+            torch.manual_seed(seed)  # vLLM's CPU model runner draws from torch's RNG
+            np.random.seed(seed % 2**32)  # its GPU model runner gives each request a seed from numpy's
             outputs = self.llm.generate(prompts, params, use_tqdm=dist.get_rank() == 0)  # a progress bar
         rollout = Rollout([], [], [], [])
         for prompt, output in zip(prompt_ids, outputs):
@@ -116,7 +108,7 @@ class VLLMRollout:
         """Load the trainer's current weights (in the rollout dtype) into the live engine; seconds."""
         start = time.perf_counter()
         if self.sleeping:  # the weights' memory first; the KV cache only once the load is done
-            self._freeze_live_objects_here()
+            freeze_live_objects()
             self.llm.wake_up(tags=["weights"])
         self.load(self.engine.export_hf_weights(dtype=self.dtype))
         if self.sleeping:
@@ -126,70 +118,29 @@ class VLLMRollout:
         return time.perf_counter() - start
 
     def load(self, weights) -> None:
-        """Load (HF name, tensor) pairs into the engine: over CUDA IPC, or by an in-place reload.
-
-        Both re-run vLLM's post-load processing (e.g. CPU weight repacking) after the new weights land.
-        """
-        if not self.own_process:
-            if self.engine.device_type == "cpu":
-                self.llm.collective_rpc(forget_moe_kernels)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            return
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        buffer, update = pack_weights(weights)
-        update["ipc_handles"] = {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
-        torch.cuda.current_stream().synchronize()  # the buffer is written before the engine reads it
-        self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", args=(update,))
-        self.llm.collective_rpc("finish_weight_update")  # the engine has copied out of the buffer and let go
-        del buffer
-        torch.cuda.ipc_collect()
+        """Reload (HF name, tensor) pairs in place; vLLM re-runs its post-load processing (e.g. CPU repacking)."""
+        if self.engine.device_type == "cpu":
+            self.llm.collective_rpc(forget_moe_kernels)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
     def sleep(self) -> None:
         """Free the GPU memory of the KV cache and the weights (discarded: the next sync reloads them)."""
         if self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode and not self.sleeping:
-            self._freeze_live_objects_here()
+            freeze_live_objects()
             self.llm.sleep(level=2)
             self.sleeping = True
 
-    def _freeze_live_objects_here(self) -> None:
-        """vLLM's sleep and wake each run a full gc.collect() in the engine's process: where that is the
-        trainer's, freeze what lives (torch.compile's many objects) first, or each collect walks them."""
-        if not self.own_process:
-            freeze_live_objects()
-
     def close(self) -> None:
-        """Shut the engine down; an in-process vLLM's teardown also destroys torch.distributed's default group."""
+        """Shut the engine down; vLLM's teardown also destroys torch.distributed's default group."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
 def freeze_live_objects() -> None:
-    """Collect garbage once, then keep the survivors out of later cycle collections (vLLM freezes its own
-    start-up heap for the same reason). Frozen objects are still freed by refcount."""
+    """Collect garbage once, then keep the survivors out of later cycle collections: vLLM runs a full
+    gc.collect() in each sleep and wake, and torch.compile's many long-lived objects made each one slow
+    (vLLM freezes its own start-up heap for the same reason). Frozen objects are still freed by refcount."""
     gc.collect()
     gc.freeze()
-
-
-def pack_weights(weights) -> tuple[torch.Tensor, dict]:
-    """(name, tensor) pairs of one dtype (as exported) as one uint8 buffer, plus the layout vLLM's packed
-    weight update reads back (it views each slice in place, so mixed dtypes could misalign)."""
-    names, tensors = zip(*weights)
-    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    layout = {"names": list(names), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-              "shapes": [list(t.shape) for t in tensors], "tensor_sizes": [f.numel() for f in flat]}
-    return torch.cat(flat), layout
-
-
-def seed_sampler(worker, seed: int) -> None:
-    """Seed the RNG that vLLM's sampler draws from (run on each vLLM worker)."""
-    torch.manual_seed(seed)
-
-
-def quiet_reload_warnings(worker) -> None:
-    """Silence the weight reload's warning for each layer whose only tensors no checkpoint holds (RoPE's
-    cos/sin cache, which it keeps as it was): one line per layer and sync, about nothing."""
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 def forget_moe_kernels(worker) -> None:
