@@ -93,7 +93,7 @@ class VLLMRollout:
         with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
                                    else []):
             torch.manual_seed(seed)  # vLLM's CPU model runner draws from torch's RNG
-            np.random.seed(seed % 2**32)  # its GPU model runner gives each request a seed from numpy's
+            np.random.seed(seed % 2**32)  # its GPU runner seeds each request from numpy's (the trainer draws none)
             outputs = self.llm.generate(prompts, params, use_tqdm=dist.get_rank() == 0)  # a progress bar
         rollout = Rollout([], [], [], [])
         for prompt, output in zip(prompt_ids, outputs):
