@@ -89,7 +89,7 @@ class VLLMRollout:
             detokenize=False,  # the loop decodes the texts it scores itself
         )
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-        # one seed for the whole call: per-request seeds make vLLM draw each request's noise separately
+        # one seed for the whole call: with per-request seeds vLLM's CPU runner draws each request's noise separately
         with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
                                    else []):
             torch.manual_seed(seed)  # vLLM's CPU model runner draws from torch's RNG
