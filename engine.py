@@ -184,9 +184,7 @@ class TorchTitanEngine:
         if self.device_type == "cpu":
             cpu.use_sum_reduction(self.model)
         self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        # torchtitan's fsdp_enabled: the FSDP shard group (dp_shard x cp) has more than one rank
-        self.one_rank_shards = not self.parallel_dims.fsdp_enabled
-        if self.one_rank_shards:
+        if not self.parallel_dims.fsdp_enabled:  # torchtitan's: the FSDP shard group (dp_shard x cp) is one rank
             self._gather_once_per_block()
         self.loaded_step = self._load()
 
@@ -266,14 +264,8 @@ class TorchTitanEngine:
             self._reshard()
             self.model.train(was_training)
 
-    def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
-        """loss.backward() inside torchtitan's SPMD context, as its Trainer does (spmd_types needs the mesh).
-
-        With one-rank shards the gathered grads accumulate (in fp32) over a mini-batch's micro-batches and
-        FSDP reduces them once, at the last; a larger shard group reduce-scatters after every micro-batch."""
-        if self.one_rank_shards:
-            for module in self.fsdp_modules:
-                module.set_requires_gradient_sync(last_micro_batch, recurse=False)
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() inside torchtitan's SPMD context, as its Trainer does (spmd_types needs the mesh)."""
         with self.trainer.train_context():
             loss.backward()
 

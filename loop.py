@@ -149,16 +149,15 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, temperature: 
     Returns the metrics summed over micro-batches.
     """
     metrics = defaultdict(float)
-    batches = list(micro_batches(engine, samples))
-    for index, (group, members) in enumerate(batches):
+    for group, members in micro_batches(engine, samples):
         logprobs, entropy, windows = forward_micro_batch(engine, members, temperature, with_entropy=True)
-        if group:
-            loss, micro_metrics = loss_fn(members, [logprobs[w] for w in windows], [entropy[w] for w in windows])
-            for key, value in micro_metrics.items():
-                metrics[key] += value.detach()  # stays on the device until the end
-        else:  # padding: a zero loss that still runs FSDP's backward collectives
-            loss = (logprobs * 0.0).sum()
-        engine.backward(loss, last_micro_batch=index == len(batches) - 1)
+        if not group:  # padding: a zero loss that still runs FSDP's backward collectives
+            engine.backward((logprobs * 0.0).sum())
+            continue
+        loss, micro_metrics = loss_fn(members, [logprobs[w] for w in windows], [entropy[w] for w in windows])
+        engine.backward(loss)
+        for key, value in micro_metrics.items():
+            metrics[key] += value.detach()  # stays on the device until the end
     return {key: float(value) for key, value in metrics.items()}
 
 
