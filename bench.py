@@ -327,16 +327,18 @@ def e2e(args, loop_flags: list[str]) -> dict:
     return report
 
 
-def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 2) -> dict:
+def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> dict:
     """Seconds and generated tokens on the same prompts, each kind `rounds` times, interleaved: vLLM alone
-    (no log-probs, no detokenization), vLLM alone with the loop's log-prob request, the loop's generate."""
+    (no log-probs, no detokenization), vLLM alone with a log-prob for every token, the loop's generate
+    (log-probs for `rollout_logprob_samples` responses per prompt)."""
+    from loop import rollout_logprob_samples
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     bare = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
                 detokenize=False)
     kinds = {"alone": SamplingParams(**bare), "alone_logprobs": SamplingParams(**bare, logprobs=0, flat_logprobs=True)}
-    report = {"prompts": len(prompts)}
+    report = {"prompts": len(prompts), "loop_logprob_samples": rollout_logprob_samples(cfg), "n": cfg.rollout.n}
     for _ in range(rounds):
         for kind, params in kinds.items():
             with Timer(device) as timer:
@@ -346,7 +348,7 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 2) -> di
             report.setdefault(f"{kind}_s", []).append(timer.seconds)
             report.setdefault(f"{kind}_tokens", []).append(tokens)
         with Timer(device) as timer:
-            rollout = sampler.generate(prompts, cfg.rollout.n, seed=1)
+            rollout = sampler.generate(prompts, cfg.rollout.n, seed=1, logprob_samples=report["loop_logprob_samples"])
         report.setdefault("loop_s", []).append(timer.seconds)
         report.setdefault("loop_tokens", []).append(sum(len(r) for r in rollout.response_ids))
     return report
@@ -398,8 +400,9 @@ def print_e2e(report: dict) -> None:
     r, s = report["rollout"], report["sync"]
     alone = min(r["alone_s"])
     print(f"rollout of {r['prompts']} prompts, fastest of {len(r['alone_s'])}: vLLM alone {alone:.2f} s "
-          f"({r['alone_tokens'][0]} tokens), with log-probs {min(r['alone_logprobs_s']):.2f} s, the loop's generate "
-          f"{min(r['loop_s']):.2f} s ({r['loop_tokens'][0]} tokens): {min(r['loop_s']) / alone:.2f}x")
+          f"({r['alone_tokens'][0]} tokens), with every log-prob {min(r['alone_logprobs_s']):.2f} s, the loop's "
+          f"generate (log-probs for {r['loop_logprob_samples']} of {r['n']}) {min(r['loop_s']):.2f} s "
+          f"({r['loop_tokens'][0]} tokens): {min(r['loop_s']) / alone:.2f}x")
     print("weight sync: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
 
 

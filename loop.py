@@ -39,7 +39,7 @@ class Sample:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    rollout_logprobs: list[float]
+    rollout_logprobs: list[float] | None  # the sampler's; None where not asked for (rollout_logprob_samples)
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # [response length]
     ref_logprobs: torch.Tensor | None = None
@@ -172,17 +172,18 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
         host = {  # per response token, built on the host and copied to the device at once
             "weights": per_seq.float().repeat_interleave(lengths),
             "advantages": torch.tensor([s.advantage for s in members]).float().repeat_interleave(lengths),
-            "rollout": torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in members]),
         }
+        if cfg.algorithm.tis_cap is not None:
+            host["rollout"] = torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in members])
         if members[0].old_logprobs is not None:
             host["old"] = torch.cat([s.old_logprobs for s in members])
         if members[0].ref_logprobs is not None:
             host["ref"] = torch.cat([s.ref_logprobs for s in members])
         on_device = dict(zip(host, to_device(torch.stack(list(host.values())), current.device)))
         old = on_device.get("old", current.detach())  # on-policy (one update per batch): old == current
-        weights, advantages, rollout_lp = (on_device[k] for k in ("weights", "advantages", "rollout"))
-        return grpo.grpo_token_loss(current, old, advantages, weights, cfg.algorithm, torch.cat(entropies),
-                                    on_device.get("ref"), rollout_lp, token_share=1.0 / global_tokens)
+        return grpo.grpo_token_loss(current, old, on_device["advantages"], on_device["weights"], cfg.algorithm,
+                                    torch.cat(entropies), on_device.get("ref"), on_device.get("rollout"),
+                                    token_share=1.0 / global_tokens)
 
     return loss_fn
 
@@ -190,9 +191,11 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
 # ----------------------------------------------------------------------------- one step
 
 
-def generate(sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
+def generate(sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
+             logprob_samples: int | None = None) -> Rollout:
     """n responses per prompt from the sampler; TP / CP peers all get their first peer's (they train on it)."""
-    return share_within_model_parallel(engine, sampler.generate(prompts, n, greedy=greedy, seed=seed))
+    rollout = sampler.generate(prompts, n, greedy=greedy, seed=seed, logprob_samples=logprob_samples)
+    return share_within_model_parallel(engine, rollout)
 
 
 def score(cfg, tokenizer, response_ids: list[list[int]], truths: list[str]) -> list[float]:
@@ -219,13 +222,26 @@ def share_within_model_parallel(engine, rollout: Rollout) -> Rollout:
     return rollout
 
 
+def on_policy(cfg) -> bool:
+    """One update per batch: the old log-probs are the current ones (the loss takes current.detach())."""
+    return cfg.actor.ppo_epochs == 1 and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
+
+
+def rollout_logprob_samples(cfg) -> int:
+    """How many of each prompt's n responses need the sampler's log-probs: all where the loss uses them, the
+    first one for the mismatch metric (enough for a mean, and vLLM's cost of returning them falls ~n-fold),
+    none on-policy, where that metric has no old log-probs to compare with."""
+    if cfg.actor.use_rollout_logprobs or cfg.algorithm.tis_cap is not None:
+        return cfg.rollout.n
+    return 0 if on_policy(cfg) else 1
+
+
 def compute_old_and_ref_logprobs(cfg, engine, ref_engine, samples) -> None:
     """Old log-probs (unless on-policy or taken from the rollout) and reference log-probs."""
-    on_policy = cfg.actor.ppo_epochs == 1 and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
     if cfg.actor.use_rollout_logprobs:
         for s in samples:
             s.old_logprobs = torch.tensor(s.rollout_logprobs)
-    elif not on_policy or cfg.algorithm.tis_cap is not None:  # on-policy, the loss uses current.detach()
+    elif not on_policy(cfg) or cfg.algorithm.tis_cap is not None:
         for s, lp in zip(samples, compute_logprobs(engine, samples, cfg.rollout.temperature)):
             s.old_logprobs = lp
     if ref_engine is not None:
@@ -263,7 +279,8 @@ def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -
     timings, t0 = {}, time.perf_counter()
     prompts = prompts_set.batch(step, cfg.data.train_batch_size)[engine.dp_rank::engine.dp_size]
     n = cfg.rollout.n
-    rollout = generate(sampler, engine, [ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine))
+    rollout = generate(sampler, engine, [ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine),
+                       logprob_samples=rollout_logprob_samples(cfg))
     sampler.sleep()  # vLLM's memory goes to the update until the sync
     timings["gen"] = time.perf_counter() - t0
 
@@ -297,22 +314,20 @@ def rollout_metrics(cfg, engine, samples, rollout, rewards) -> dict[str, float]:
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     truncated = torch.tensor([1.0 if f == "length" else 0.0 for f in rollout.finish_reasons])
     sums = [sum(rewards), lengths.sum().item(), truncated.sum().item(), float(len(samples))]
-    mismatch = [0.0, 0.0]
-    if samples and samples[0].old_logprobs is not None:
-        for s in samples:
-            diffs = grpo.rollout_mismatch(s.old_logprobs, torch.tensor(s.rollout_logprobs))
-            mismatch[0] += diffs["abs_diff"].sum().item()
-            mismatch[1] += diffs["k3"].sum().item()
+    measured = [s for s in samples if s.old_logprobs is not None and s.rollout_logprobs is not None]
+    diffs = [grpo.rollout_mismatch(s.old_logprobs, torch.tensor(s.rollout_logprobs)) for s in measured]
+    mismatch = [sum(d["abs_diff"].sum().item() for d in diffs), sum(d["k3"].sum().item() for d in diffs),
+                float(sum(len(s.response_ids) for s in measured))]  # the mean is over the measured tokens
     total = engine.dp_sum(torch.tensor(sums + mismatch, dtype=torch.float64)).tolist()
-    count, tokens = max(total[3], 1.0), max(total[1], 1.0)
+    count = max(total[3], 1.0)
     metrics = {
         "critic/score/mean": total[0] / count,
         "response_length/mean": total[1] / count,
         "response_length/clip_ratio": total[2] / count,
         "response_length/max": engine.dp_all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
     }
-    if samples and samples[0].old_logprobs is not None:
-        metrics.update({"rollout_corr/abs_logprob_diff": total[4] / tokens, "rollout_corr/kl_k3": total[5] / tokens})
+    if total[6] > 0:
+        metrics.update({"rollout_corr/abs_logprob_diff": total[4] / total[6], "rollout_corr/kl_k3": total[5] / total[6]})
     return metrics
 
 
@@ -353,7 +368,7 @@ def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]
     total = 0.0
     for start in range(0, per_rank, cfg.data.val_batch_size):
         chunk = padded[start:start + cfg.data.val_batch_size]
-        rollout = generate(sampler, engine, [ids for ids, _ in chunk], 1, greedy=True)
+        rollout = generate(sampler, engine, [ids for ids, _ in chunk], 1, greedy=True, logprob_samples=0)
         scores = score(cfg, tokenizer, rollout.response_ids, [truth for _, truth in chunk])
         total += sum(scores[:max(len(mine) - start, 0)])  # padding does not count
         log(f"validation: {min((start + len(chunk)) * engine.dp_size, len(items))}/{len(items)} prompts")

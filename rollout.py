@@ -1,7 +1,7 @@
 """Rollout: colocated vLLM or the trainer's own model, and weight sync trainer -> vLLM.
 
 Both samplers take token-id prompts and return a `Rollout` with n responses per prompt
-(consecutive), the per-token sampling log-probs (after temperature), and finish reasons.
+(consecutive), the per-token sampling log-probs (after temperature) where asked for, and finish reasons.
 """
 
 import gc
@@ -22,7 +22,7 @@ from engine import pack
 class Rollout:
     prompt_ids: list[list[int]]  # one per response (repeated n times per prompt)
     response_ids: list[list[int]]
-    logprobs: list[list[float]]  # sampling log-probs of response_ids
+    logprobs: list[list[float] | None]  # sampling log-probs of response_ids (None where not asked for)
     finish_reasons: list[str]  # "stop" (EOS) or "length" (hit max_response_length)
 
 
@@ -75,34 +75,45 @@ class VLLMRollout:
         self.sleeping = False
         self.sync_weights()
 
-    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
-        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible."""
-        from vllm import SamplingParams
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
+                 logprob_samples: int | None = None) -> Rollout:
+        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible; sampling
+        log-probs for the first `logprob_samples` responses of each prompt (None: all), None for the rest."""
         from vllm.inputs import TokensPrompt
 
         assert not self.sleeping, "vLLM is asleep: its weights were discarded; call sync_weights() first"
-        r = self.cfg.rollout
-        params = SamplingParams(
-            n=1 if greedy else n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
-            top_k=-1 if greedy else r.top_k, max_tokens=self.cfg.data.max_response_length,
-            logprobs=0, flat_logprobs=True,  # the sampled token's log-prob only, as flat lists (no per-token dicts)
-            detokenize=False,  # the loop decodes the texts it scores itself
-        )
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        n = 1 if greedy else n
+        with_logprobs = n if logprob_samples is None else min(logprob_samples, n)
+        # vLLM's host-side cost of returning log-probs grows with the requests that ask for them: ask in two requests
+        groups = [(count, logprobs) for count, logprobs in ((with_logprobs, True), (n - with_logprobs, False)) if count]
+        requests = [(prompt, self._params(count, greedy, logprobs)) for prompt in prompt_ids for count, logprobs in groups]
         # one seed for the whole call: with per-request seeds vLLM's CPU runner draws each request's noise separately
         with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
                                    else []):
             torch.manual_seed(seed)  # vLLM's CPU model runner draws from torch's RNG
             np.random.seed(seed % 2**32)  # its GPU runner seeds each request from numpy's (the trainer draws none)
-            outputs = self.llm.generate(prompts, params, use_tqdm=dist.get_rank() == 0)  # a progress bar
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests],
+                                        [params for _, params in requests], use_tqdm=dist.get_rank() == 0)
         rollout = Rollout([], [], [], [])
-        for prompt, output in zip(prompt_ids, outputs):
+        for (prompt, params), output in zip(requests, outputs):
             for sample in output.outputs:
                 rollout.prompt_ids.append(list(prompt))
                 rollout.response_ids.append(list(sample.token_ids))
-                rollout.logprobs.append(list(sample.logprobs.logprobs))  # logprobs=0: one entry per position
+                # logprobs=0: one entry per position
+                rollout.logprobs.append(list(sample.logprobs.logprobs) if params.logprobs is not None else None)
                 rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
         return rollout
+
+    def _params(self, n: int, greedy: bool, logprobs: bool):
+        from vllm import SamplingParams
+
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=n, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
+            top_k=-1 if greedy else r.top_k, max_tokens=self.cfg.data.max_response_length,
+            logprobs=0 if logprobs else None, flat_logprobs=True,  # the sampled token's log-prob only, flat lists
+            detokenize=False,  # the loop decodes the texts it scores itself
+        )
 
     def sync_weights(self) -> float:
         """Load the trainer's current weights (in the rollout dtype) into the live engine; seconds."""
@@ -169,8 +180,10 @@ class NativeRollout:
     def __init__(self, cfg: Config, engine, eos_token_ids: list[int]):
         self.cfg, self.engine, self.eos = cfg, engine, set(eos_token_ids)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0) -> Rollout:
-        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible."""
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
+                 logprob_samples: int | None = None) -> Rollout:
+        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible; the
+        log-probs come free here, so every response has them whatever `logprob_samples` asks."""
         r = self.cfg.rollout
         n = 1 if greedy else n
         prompts = [list(p) for p in prompt_ids for _ in range(n)]

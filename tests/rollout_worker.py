@@ -38,15 +38,18 @@ def well_formed(rollout, prompts, n: int, max_tokens: int) -> bool:
     return grouped and sampled and ends
 
 
-def mismatch(engine, sampler, seed: int, checks: list[bool]) -> float:
+def mismatch(engine, sampler, seed: int, checks: list[bool], logprob_samples: int | None = None) -> float:
     """Largest |sampler log-prob - engine log-prob| over this rank's share of the prompts, all ranks;
-    appends whether the rollout was well formed to `checks`."""
+    appends whether the rollout was well formed, log-probs where asked only, to `checks`."""
     mine = PROMPTS[engine.dp_rank::engine.dp_size]
-    rollout = share_within_model_parallel(engine, sampler.generate(mine, 3, seed=seed))
-    checks.append(well_formed(rollout, mine, 3, engine.cfg.data.max_response_length))
-    samples = [Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]
+    rollout = share_within_model_parallel(engine, sampler.generate(mine, 3, seed=seed, logprob_samples=logprob_samples))
+    asked = [i % 3 < (3 if logprob_samples is None else logprob_samples) for i in range(len(rollout.logprobs))]
+    checks.append(well_formed(rollout, mine, 3, engine.cfg.data.max_response_length)
+                  and [lp is not None for lp in rollout.logprobs] == asked)
+    samples = [Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)
+               if lp is not None]
     got = compute_logprobs(engine, samples, TEMPERATURE)
-    want = torch.tensor([x for lp in rollout.logprobs for x in lp])
+    want = torch.tensor([x for s in samples for x in s.rollout_logprobs])
     return max_over_ranks((torch.cat(got) - want).abs().max().item())
 
 
@@ -77,6 +80,7 @@ def main():
     result["stale"] = mismatch(engine, sampler, 2, checks)
     result["sync_s"] = max_over_ranks(sampler.sync_weights())
     result["synced"] = mismatch(engine, sampler, 2, checks)
+    result["synced_first_only"] = mismatch(engine, sampler, 3, checks, logprob_samples=1)
     result["well_formed"] = max_over_ranks(float(not all(checks))) == 0.0  # every call on every rank
     if dist.get_rank() == 0:
         torch.save(result, out)

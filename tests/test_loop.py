@@ -119,6 +119,59 @@ def assert_tensorboard_equals_jsonl(out, rows):
                 assert logged[row["step"]] == pytest.approx(value, rel=1e-6, abs=1e-7), (key, row["step"])
 
 
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):  # vLLM CPU: head_dim 64
+    return make_tiny_qwen3(str(tmp_path_factory.mktemp("loop_vllm")), layers=2, hidden=128, heads=2, kv_heads=1)
+
+
+@pytest.mark.parametrize("extra", [["--actor.ppo_mini_batch_size", "4"], ["--algorithm.tis_cap", "2.0"]],
+                         ids=["off_policy_metric_only", "tis"])
+def test_with_vllm_the_rollout_log_probs_equal_the_trainers(vllm_model_dir, tasks, tmp_path, extra):
+    """Two steps with vLLM (float32 CPU): the mismatch metric, over the responses that carry the sampler's
+    log-probs (the first per prompt off-policy, all with TIS), is ~0: vLLM holds the trainer's weights."""
+    pytest.importorskip("vllm")
+    rows = train(vllm_model_dir, tasks, tmp_path, 2, "--rollout.name", "vllm", "--rollout.gpu_memory_utilization",
+                 "0.1", "--trainer.val_before_train", "False", "--trainer.test_freq", "2", *extra)
+    mismatch = [r["rollout_corr/abs_logprob_diff"] for r in rows if "actor/pg_loss" in r]
+    assert len(mismatch) == 2 and max(mismatch) < 1e-4, mismatch
+
+
+@pytest.mark.parametrize("extra,want", [([], 1), (["--algorithm.tis_cap", "2"], 5),
+                                        (["--actor.use_rollout_logprobs", "True"], 5),
+                                        (["--actor.ppo_mini_batch_size", "256"], 0)])
+def test_log_probs_are_asked_for_where_they_are_used(extra, want):
+    """The recipe (off-policy) measures the mismatch on one response per prompt; TIS and
+    use_rollout_logprobs need them all; on-policy nothing uses them."""
+    import loop
+    from config import parse_cli
+
+    cfg = parse_cli(["--data.train_batch_size", "256", "--actor.ppo_mini_batch_size", "64", "--rollout.n", "5", *extra])
+    assert loop.rollout_logprob_samples(cfg) == want
+
+
+def test_the_mismatch_metric_averages_over_the_responses_that_have_both_log_probs():
+    import loop
+    from rollout import Rollout
+
+    class OneRank:
+        dp_sum = staticmethod(lambda t: t)
+        dp_all_reduce = staticmethod(lambda t, op: t)
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i, length in enumerate([3, 5, 4, 2]):
+        old = torch.randn(length, generator=gen)
+        sampled = (old + 0.3 * torch.randn(length, generator=gen)).tolist() if i % 2 == 0 else None
+        samples.append(loop.Sample([1], [7] * length, sampled, old_logprobs=old))
+    rollout = Rollout([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                      [s.rollout_logprobs for s in samples], ["stop"] * 4)
+    metrics = loop.rollout_metrics(None, OneRank(), samples, rollout, [0.0] * 4)
+    d = torch.cat([s.old_logprobs.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+                   for s in samples if s.rollout_logprobs is not None])  # old - rollout, 7 tokens
+    assert metrics["rollout_corr/abs_logprob_diff"] == pytest.approx(d.abs().mean().item(), rel=1e-6)
+    assert metrics["rollout_corr/kl_k3"] == pytest.approx((torch.exp(-d) + d - 1).mean().item(), rel=1e-6)
+
+
 def test_a_fresh_run_starts_a_fresh_metrics_file(tmp_path, monkeypatch):
     import loop
 

@@ -64,6 +64,7 @@ def assert_rollout_worker_matches(model_dir, tmp_path, layout, nproc=2):
     assert got["init"] < 1e-4  # the engine started from dummy weights and took the trainer's
     assert got["stale"] > 1e-2  # a stale sampler is caught
     assert got["synced"] < 1e-4
+    assert got["synced_first_only"] < 1e-4  # log-probs asked for the first response of each prompt only
 
 
 def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_dir, tmp_path):
