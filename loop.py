@@ -300,7 +300,7 @@ def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -
 
     timings["update_weights"] = sampler.sync_weights()
     timings["step"] = time.perf_counter() - t0
-    metrics.update(rollout_metrics(cfg, engine, samples, rollout, rewards))
+    metrics.update(rollout_metrics(engine, samples, rollout, rewards))
     metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
     metrics.update(perf_metrics(engine, samples, timings))
     return metrics
@@ -309,7 +309,7 @@ def train_step(cfg, step, engine, ref_engine, sampler, prompts_set, tokenizer) -
 # ----------------------------------------------------------------------------- metrics
 
 
-def rollout_metrics(cfg, engine, samples, rollout, rewards) -> dict[str, float]:
+def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
     """Global reward, length and mismatch means (summed over DP ranks)."""
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     truncated = torch.tensor([1.0 if f == "length" else 0.0 for f in rollout.finish_reasons])

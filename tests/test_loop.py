@@ -165,7 +165,7 @@ def test_the_mismatch_metric_averages_over_the_responses_that_have_both_log_prob
         samples.append(loop.Sample([1], [7] * length, sampled, old_logprobs=old))
     rollout = Rollout([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                       [s.rollout_logprobs for s in samples], ["stop"] * 4)
-    metrics = loop.rollout_metrics(None, OneRank(), samples, rollout, [0.0] * 4)
+    metrics = loop.rollout_metrics(OneRank(), samples, rollout, [0.0] * 4)
     d = torch.cat([s.old_logprobs.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
                    for s in samples if s.rollout_logprobs is not None])  # old - rollout, 7 tokens
     assert metrics["rollout_corr/abs_logprob_diff"] == pytest.approx(d.abs().mean().item(), rel=1e-6)
