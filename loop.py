@@ -326,8 +326,8 @@ def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
         "response_length/clip_ratio": total[2] / count,
         "response_length/max": engine.dp_all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
     }
-    if total[6] > 0:
-        metrics.update({"rollout_corr/abs_logprob_diff": total[4] / total[6], "rollout_corr/kl_k3": total[5] / total[6]})
+    if total[6] > 0:  # tokens with both log-probs
+        metrics["rollout_corr/abs_logprob_diff"], metrics["rollout_corr/kl_k3"] = total[4] / total[6], total[5] / total[6]
     return metrics
 
 

@@ -74,7 +74,8 @@ def main():
     sampler = build_rollout(cfg, engine, [EOS])
     checks = []
     result = {"init": mismatch(engine, sampler, 1, checks)}
-    draws = [sampler.generate(PROMPTS, 3, seed=seed).response_ids for seed in (1, 1, 3)]
+    # the loop's request (log-probs for the first response per prompt): two vLLM requests per prompt
+    draws = [sampler.generate(PROMPTS, 3, seed=seed, logprob_samples=1).response_ids for seed in (1, 1, 3)]
     result["seeded"] = max_over_ranks(float(draws[0] != draws[1] or draws[0] == draws[2])) == 0.0
     train_one_step(engine)
     result["stale"] = mismatch(engine, sampler, 2, checks)
