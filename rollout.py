@@ -85,9 +85,9 @@ class VLLMRollout:
         n = 1 if greedy else n
         with_logprobs = n if logprob_samples is None else min(logprob_samples, n)
         # vLLM's host-side cost of returning log-probs grows with the requests that ask for them: ask in two requests
-        groups = [(count, logprobs) for count, logprobs in ((with_logprobs, True), (n - with_logprobs, False)) if count]
-        requests = [(prompt, self._params(count, greedy, logprobs))
-                    for prompt in prompt_ids for count, logprobs in groups]
+        per_prompt = [self._params(count, greedy, logprobs)
+                      for count, logprobs in ((with_logprobs, True), (n - with_logprobs, False)) if count]
+        requests = [(prompt, params) for prompt in prompt_ids for params in per_prompt]
         # one seed for the whole call: with per-request seeds vLLM's CPU runner draws each request's noise separately
         with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
                                    else []):
