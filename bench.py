@@ -283,8 +283,9 @@ def cases(quick: bool) -> list[dict]:
                 dict(attn="sdpa", compile=False, ac="selective", budget=2048)]
     rows = [dict(attn="flex", compile=c, ac=a, budget=16384) for c in (True, False) for a in ("none", "selective", "full")]
     rows += [dict(attn="flex", compile=True, ac="none", budget=b) for b in (8192, 32768)]
-    rows += [dict(attn="varlen", compile=True, ac="none", budget=16384),
-             dict(attn="flex_flash", compile=True, ac="none", budget=16384)]
+    rows += [dict(attn="varlen", compile=True, ac=a, budget=b) for a, b in (("none", 16384), ("selective", 16384),
+                                                                            ("none", 32768))]
+    rows += [dict(attn="flex_flash", compile=True, ac="none", budget=16384)]
     return rows
 
 
@@ -374,6 +375,9 @@ def sync_parts(engine, sampler, device: str) -> dict:
         timed("wake_weights", lambda: sampler.llm.wake_up(tags=["weights"]))
     weights = timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
     timed("load", lambda: sampler.load(weights))
+    if sampler.copy_into_weights:  # vLLM's layer-by-layer reload, which the copy replaces, for the ratio
+        timed("reload", lambda: sampler.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}))
     if can_sleep:
         timed("wake_kv", lambda: sampler.llm.wake_up(tags=["kv_cache"]))
         sampler.sleeping = False

@@ -23,7 +23,7 @@ KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", 
 @dataclass
 class ModelConfig:
     path: str = "Qwen/Qwen3-0.6B"  # HF model dir (config.json + safetensors + tokenizer) or hub id
-    attn_type: str = "flex"  # flex | flex_flash (Hopper+) | varlen (FA3) | sdpa (dense mask, CPU)
+    attn_type: str = "flex"  # flex | flex_flash (Hopper+) | varlen (FlashAttention) | sdpa (dense mask, CPU)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (FSDP mixed precision)
     random_init: bool = False  # skip loading safetensors, keep torchtitan's random init (benchmarks)
 
@@ -315,18 +315,17 @@ def _validate_attention(attn_type: str, device: str) -> None:
         raise ValueError(f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
                          "use --model.attn_type sdpa on CPU")
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    if attn_type == "varlen" and capability < (8, 0):
+        raise ValueError("model.attn_type=varlen needs FlashAttention: a CUDA GPU of capability >= 8.0; use flex")
     if attn_type == "flex_flash" and capability < (9, 0):
         raise ValueError("model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex")
-    # the kernels torch loads for these on Hopper / Blackwell ship outside the pinned set (no registry wheel)
-    needed = {"flex_flash": ("flash_attn.cute", "flash-attn-4 (FA4's CuTe kernels)")}
-    if attn_type == "varlen" and capability >= (9, 0):
-        needed["varlen"] = (("flash_attn_interface", "FA3's flash_attn_interface (built from flash-attention's hopper/)")
-                            if capability < (10, 0) else ("flash_attn.cute", "flash-attn-4 (FA4)"))
-    if attn_type in needed and not _importable(needed[attn_type][0]):
-        raise ValueError(f"model.attn_type={attn_type} needs {needed[attn_type][1]}, which is not installed; use flex")
+    if attn_type == "flex_flash" and not importable("flash_attn.cute"):  # no registry wheel in the pinned set
+        raise ValueError("model.attn_type=flex_flash needs flash-attn-4 (FA4's CuTe kernels), which is not "
+                         "installed; use flex")
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    """Whether `module` can be imported (without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # the parent package is missing

@@ -4,18 +4,21 @@
 torchtitan's `Qwen3StateDictAdapter` maps the weights. Two module swaps make torchtitan 0.3.0 compute
 what HF computes: `DenseMaskAttention` (attn_type=sdpa: SDPA with a dense document mask, for CPU) and
 `ExpertsInInputDtype` (torchtitan's experts always compute in bfloat16), and MoE routing is built
-without torchtitan's load-balancing bias, which HF Qwen3-MoE does not have.
+without torchtitan's load-balancing bias, which HF Qwen3-MoE does not have. `VarlenOnInstalledFlash`
+lets attn_type=varlen run where torchtitan's choice of flash kernels (FA3 / FA4) is not installed.
 `parallelize_keeping_tied_head` is torchtitan's parallelize_qwen3 with the tied lm_head kept tied.
 """
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import (
@@ -23,6 +26,12 @@ from torchtitan.models.qwen3 import (
     parallelize_qwen3,
 )
 from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.protocols.module import Module
+from torchtitan.tools.utils import get_cuda_flash_attention_impl
+
+from config import importable
+
+FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each
 
 
 class DenseMaskAttention(FlexAttention):
@@ -40,6 +49,29 @@ class DenseMaskAttention(FlexAttention):
             attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
         )
         return out.transpose(1, 2)
+
+
+class VarlenOnInstalledFlash(VarlenAttention):
+    """torchtitan's varlen attention on the flash kernels that are installed: torchtitan 0.3.0 switches torch to
+    FA3 (Hopper) or FA4 (Blackwell) unconditionally, and neither has a registry wheel; without them torch's
+    built-in FlashAttention-2 varlen kernels run (what torchtitan uses on Ampere)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(VarlenAttention.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        Module.__init__(self)  # not VarlenAttention's, which would activate a missing FA3 / FA4 and fail
+        self.window_size = config.window_size
+        impl = get_cuda_flash_attention_impl()
+        if impl is None or current_flash_attention_impl() == impl:
+            return
+        if importable(FLASH_PACKAGES[impl]):
+            activate_flash_attention_impl(impl)
+        else:
+            logging.getLogger(__name__).warning(
+                "attn_type=varlen: %s (%s) is not installed; using torch's built-in FlashAttention-2",
+                impl, FLASH_PACKAGES[impl])
 
 
 class ExpertsInInputDtype(GroupedExperts):
@@ -111,6 +143,8 @@ def qwen3_model_config(hf: dict, attn_type: str) -> Qwen3Model.Config:
     if attn_type == "sdpa":
         for _, _, parent, attr in list(model.traverse(FlexAttention.Config)):
             parent.__setattr__(attr, DenseMaskAttention.Config())
+    for _, varlen, parent, attr in list(model.traverse(VarlenAttention.Config)):
+        parent.__setattr__(attr, VarlenOnInstalledFlash.Config(window_size=varlen.window_size))
     return model
 
 

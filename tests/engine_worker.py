@@ -45,7 +45,7 @@ def main():
     result = {"loss": [], "grad_norm": []}
     with engine.train_mode():
         for _ in range(2):
-            loss_sum = torch.zeros(())
+            loss_sum = torch.zeros((), device=engine.device)
             for micro in (mine[: len(mine) // 2], mine[len(mine) // 2:]):  # two micro-batches per rank
                 logprobs, entropy = engine.forward(*packed(micro), temperature=0.9, with_entropy=True)
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised

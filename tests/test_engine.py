@@ -7,6 +7,7 @@ HF 1e-5; layouts vs one process: loss/grad-norm rtol 1e-5, weights after two lr=
 steps atol 5e-4 (reduction order differs between layouts).
 """
 
+import json
 import os
 import sys
 
@@ -34,6 +35,28 @@ def torchrun(nproc, out, model_dir, *flags, env=None, backend="partial_dtensor")
     result = run_torchrun(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return torch.load(out)
+
+
+def test_varlen_runs_without_the_flash_package_torchtitan_switches_to(monkeypatch, dense_dir):
+    """On a Hopper GPU (faked) without FA3 installed, torchtitan's varlen module fails to build; the project's
+    keeps torch's built-in FlashAttention-2. (The kernel's parity with flex is checked on a GPU: README.)"""
+    import torchtitan.tools.utils
+    from torch.nn.attention import current_flash_attention_impl
+    from torchtitan.models.common.attention import VarlenAttention
+
+    import qwen3
+
+    assert not qwen3.importable("flash_attn_interface")
+    monkeypatch.setattr(torchtitan.tools.utils, "get_cuda_flash_attention_impl", lambda: "FA3")
+    monkeypatch.setattr(qwen3, "get_cuda_flash_attention_impl", lambda: "FA3")
+    with pytest.raises(ModuleNotFoundError, match="flash_attn_interface"):
+        VarlenAttention(VarlenAttention.Config())
+    with open(os.path.join(dense_dir, "config.json")) as f:
+        model = qwen3.qwen3_model_config(json.load(f), "varlen")
+    inner = [cfg for _, cfg, _, _ in model.traverse(VarlenAttention.Config)]
+    assert len(inner) == 2 and all(type(cfg) is qwen3.VarlenOnInstalledFlash.Config for cfg in inner)
+    inner[0].build()
+    assert current_flash_attention_impl() is None
 
 
 @pytest.fixture(scope="module")
