@@ -375,7 +375,7 @@ def sync_parts(engine, sampler, device: str) -> dict:
         timed("wake_weights", lambda: sampler.llm.wake_up(tags=["weights"]))
     weights = timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
     timed("load", lambda: sampler.load(weights))
-    if sampler.copy_into_weights:  # vLLM's layer-by-layer reload, which the copy replaces, for the ratio
+    if sampler.copies_in_place:  # vLLM's layer-by-layer reload, which the copy replaces, for the ratio
         timed("reload", lambda: sampler.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}))
     if can_sleep:

@@ -10,6 +10,7 @@ lets attn_type=varlen run where torchtitan's choice of flash kernels (FA3 / FA4)
 """
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -63,15 +64,21 @@ class VarlenOnInstalledFlash(VarlenAttention):
     def __init__(self, config: Config) -> None:
         Module.__init__(self)  # not VarlenAttention's, which would activate a missing FA3 / FA4 and fail
         self.window_size = config.window_size
-        impl = get_cuda_flash_attention_impl()
-        if impl is None or current_flash_attention_impl() == impl:
-            return
-        if importable(FLASH_PACKAGES[impl]):
-            activate_flash_attention_impl(impl)
-        else:
-            logging.getLogger(__name__).warning(
-                "attn_type=varlen: %s (%s) is not installed; using torch's built-in FlashAttention-2",
-                impl, FLASH_PACKAGES[impl])
+        use_installed_flash()
+
+
+@functools.cache  # once per process, not per layer
+def use_installed_flash() -> None:
+    """Switch torch to the flash kernels torchtitan picks for this GPU (FA3 / FA4) where installed, else say
+    that torch's built-in FlashAttention-2 runs."""
+    impl = get_cuda_flash_attention_impl()
+    if impl is None or current_flash_attention_impl() == impl:
+        return
+    if importable(FLASH_PACKAGES[impl]):
+        activate_flash_attention_impl(impl)
+    else:
+        logging.getLogger(__name__).warning("attn_type=varlen: %s (%s) is not installed; using torch's built-in "
+                                            "FlashAttention-2", impl, FLASH_PACKAGES[impl])
 
 
 class ExpertsInInputDtype(GroupedExperts):

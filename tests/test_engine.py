@@ -49,6 +49,7 @@ def test_varlen_runs_without_the_flash_package_torchtitan_switches_to(monkeypatc
     assert not qwen3.importable("flash_attn_interface")
     monkeypatch.setattr(torchtitan.tools.utils, "get_cuda_flash_attention_impl", lambda: "FA3")
     monkeypatch.setattr(qwen3, "get_cuda_flash_attention_impl", lambda: "FA3")
+    qwen3.use_installed_flash.cache_clear()
     with pytest.raises(ModuleNotFoundError, match="flash_attn_interface"):
         VarlenAttention(VarlenAttention.Config())
     with open(os.path.join(dense_dir, "config.json")) as f:

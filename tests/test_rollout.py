@@ -108,3 +108,18 @@ def test_freeze_live_objects_collects_garbage_before_freezing():
 def run_sampler_worker(case, model_dir, tmp_path):
     out = tmp_path / f"{case}.pt"
     return run_worker("sampler_worker.py", out, case, out, model_dir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+def test_copy_into_weights_refuses_to_leave_a_parameter_unset():
+    """The in-place copy (dense models on a GPU) raises when the trainer's weights miss a vLLM parameter."""
+    from types import SimpleNamespace
+
+    from rollout import copy_into_weights
+
+    class Model(torch.nn.Linear):
+        def load_weights(self, weights):
+            return {"weight"}  # what vLLM's loader reports it set
+
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: Model(2, 2)))
+    with pytest.raises(RuntimeError, match="unset: \\['bias'\\]"):
+        copy_into_weights(worker, [])
