@@ -39,7 +39,7 @@ def torchrun(nproc, out, model_dir, *flags, env=None, backend="partial_dtensor")
 
 def test_varlen_runs_without_the_flash_package_torchtitan_switches_to(monkeypatch, dense_dir):
     """On a Hopper GPU (faked) without FA3 installed, torchtitan's varlen module fails to build; the project's
-    keeps torch's built-in FlashAttention-2. (The kernel's parity with flex is checked on a GPU: README.)"""
+    keeps torch's built-in FlashAttention-2. (Its parity with the dense-mask reference was checked on a GPU: README.)"""
     import torchtitan.tools.utils
     from torch.nn.attention import current_flash_attention_impl
     from torchtitan.models.common.attention import VarlenAttention
