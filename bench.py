@@ -376,8 +376,7 @@ def sync_parts(engine, sampler, device: str) -> dict:
     weights = timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
     timed("load", lambda: sampler.load(weights))
     if sampler.copies_in_place:  # vLLM's layer-by-layer reload, which the copy replaces, for the ratio
-        timed("reload", lambda: sampler.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}))
+        timed("reload", lambda: sampler.reload(iter(weights)))
     if can_sleep:
         timed("wake_kv", lambda: sampler.llm.wake_up(tags=["kv_cache"]))
         sampler.sleeping = False

@@ -136,10 +136,13 @@ class VLLMRollout:
         """Load (HF name, tensor) pairs into the engine's weights in place."""
         if self.copies_in_place:
             self.llm.collective_rpc(copy_into_weights, args=(weights,))
-            return
+        else:
+            self.reload(weights)
+
+    def reload(self, weights) -> None:
+        """vLLM's reload: it re-runs its post-load processing (CPU repacking, MoE kernel layouts) layer by layer."""
         if self.engine.device_type == "cpu":
             self.llm.collective_rpc(forget_moe_kernels)
-        # vLLM re-runs its post-load processing (CPU repacking, MoE kernel layouts) layer by layer
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
     def sleep(self) -> None:
