@@ -93,6 +93,31 @@ class Timer:
             torch.cuda.synchronize()
 
 
+class HostClock:
+    """While entered: seconds and runs of Python's cycle collector by generation (0, 1, 2), and the CPU
+    seconds of the whole process (all threads: more than the wall time means threads ran side by side)."""
+
+    def __enter__(self):
+        self.seconds, self.runs, self._start = [0.0] * 3, [0] * 3, 0.0
+        self.cpu_s = -time.process_time()
+        gc.callbacks.append(self._tick)
+        return self
+
+    def __exit__(self, *_):
+        gc.callbacks.remove(self._tick)
+        self.cpu_s += time.process_time()
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.runs[info["generation"]] += 1
+
+    def report(self, prefix: str) -> dict:
+        return {f"{prefix}gc_s": self.seconds, f"{prefix}gc_runs": self.runs, f"{prefix}cpu_s": self.cpu_s}
+
+
 def peak_memory_gb(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
 
@@ -316,10 +341,21 @@ def e2e(args, loop_flags: list[str]) -> dict:
     cfg = parse_cli(["--model.path", args.model_dir, "--model.random_init", "True", *loop_flags])
     run = loop.build_run(cfg)
     report = {"flags": loop_flags, "steps": []}
+    generate, gen_clock = run.sampler.generate, HostClock()
+
+    def generate_clocked(*a, **k):  # the host's side of the step's generation
+        with gen_clock:
+            return generate(*a, **k)
+
+    run.sampler.generate = generate_clocked
     for step in range(1, args.e2e + 1):
+        unfrozen = len(gc.get_objects())  # what a full collection walks
         metrics = loop.train_step(cfg, step, run.engine, run.ref_engine, run.sampler, run.train_set, run.tokenizer)
-        report["steps"].append({"step": step, **metrics})
-        print(" ".join(f"{k}={metrics[f'timing_s/{k}']:.2f}" for k in PHASES), flush=True)
+        report["steps"].append({"step": step, **metrics, "unfrozen_objects": unfrozen, **gen_clock.report("gen_")})
+        print(" ".join(f"{k}={metrics[f'timing_s/{k}']:.2f}" for k in PHASES) + f" gen: collector "
+              f"{sum(gen_clock.seconds):.2f} s {gen_clock.runs}, CPU {gen_clock.cpu_s:.1f} s; unfrozen {unfrozen}",
+              flush=True)
+    run.sampler.generate = generate
     prompts = [ids for ids, _ in run.train_set.batch(args.e2e, cfg.data.train_batch_size)]
     report["rollout"] = rollout_reference(cfg, run.sampler, prompts, args.device)
     report["sync"] = sync_parts(run.engine, run.sampler, args.device)
@@ -342,15 +378,19 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> di
     report = {"prompts": len(prompts), "loop_logprob_samples": rollout_logprob_samples(cfg), "n": cfg.rollout.n}
     for _ in range(rounds):
         for kind, params in kinds.items():
-            with Timer(device) as timer:
+            with Timer(device) as timer, HostClock() as clock:
                 outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                                use_tqdm=False)
             tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
             report.setdefault(f"{kind}_s", []).append(timer.seconds)
+            report.setdefault(f"{kind}_gc_s", []).append(sum(clock.seconds))
+            report.setdefault(f"{kind}_cpu_s", []).append(clock.cpu_s)
             report.setdefault(f"{kind}_tokens", []).append(tokens)
-        with Timer(device) as timer:
+        with Timer(device) as timer, HostClock() as clock:
             rollout = sampler.generate(prompts, cfg.rollout.n, seed=1, logprob_samples=report["loop_logprob_samples"])
         report.setdefault("loop_s", []).append(timer.seconds)
+        report.setdefault("loop_gc_s", []).append(sum(clock.seconds))
+        report.setdefault("loop_cpu_s", []).append(clock.cpu_s)
         report.setdefault("loop_tokens", []).append(sum(len(r) for r in rollout.response_ids))
     return report
 
@@ -408,6 +448,10 @@ def print_e2e(report: dict) -> None:
           f"the loop's generate (log-probs for {r['loop_logprob_samples']} of {r['n']}) {mean['loop']:.2f} s "
           f"({r['loop_tokens'][0]} tokens): {mean['loop'] / mean['alone']:.2f}x; median of the rounds' ratios "
           f"{paired[len(paired) // 2]:.2f}x")
+    print("host during generate (collector s / process CPU s): steps " + ", ".join(
+        f"{sum(row['gen_gc_s']):.2f} / {row['gen_cpu_s']:.1f}" for row in report["steps"]) + "; reference rounds "
+        + "; ".join(f"{kind} " + ", ".join(f"{g:.2f} / {c:.1f}" for g, c in zip(r[f"{kind}_gc_s"], r[f"{kind}_cpu_s"]))
+                    for kind in ("alone", "alone_logprobs", "loop")))
     print("weight sync: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
 
 
