@@ -85,7 +85,6 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         assert not self.sleeping, "vLLM is asleep: its weights were discarded; call sync_weights() first"
-        freeze_live_objects()  # the trainer's objects since the last call leave the collector's walks
         n = 1 if greedy else n
         with_logprobs = n if logprob_samples is None else min(logprob_samples, n)
         # vLLM's host-side cost of returning log-probs grows with the requests that ask for them: ask in two requests
