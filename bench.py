@@ -358,6 +358,8 @@ def e2e(args, loop_flags: list[str]) -> dict:
     run.sampler.generate = generate
     prompts = [ids for ids, _ in run.train_set.batch(args.e2e, cfg.data.train_batch_size)]
     report["rollout"] = rollout_reference(cfg, run.sampler, prompts, args.device)
+    if args.profile:
+        report["host_profile"] = host_profile(cfg, run.sampler, prompts)
     report["sync"] = sync_parts(run.engine, run.sampler, args.device)
     print_e2e(report)
     run.sampler.close()
@@ -393,6 +395,29 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> di
         report.setdefault("loop_cpu_s", []).append(clock.cpu_s)
         report.setdefault("loop_tokens", []).append(sum(len(r) for r in rollout.response_ids))
     return report
+
+
+def host_profile(cfg, sampler, prompts, top: int = 25) -> dict:
+    """Where the host's time goes in one more loop generate (cProfile, which inflates Python-heavy code): own
+    seconds by source file and by function, most first."""
+    import cProfile
+    import pstats
+
+    from loop import rollout_logprob_samples
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.runcall(sampler.generate, prompts, cfg.rollout.n, seed=1, logprob_samples=rollout_logprob_samples(cfg))
+    seconds = time.perf_counter() - start
+    by_file, by_function = {}, {}
+    for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
+        where = "(C functions)" if path == "~" else path.split("site-packages/")[-1]
+        by_file[where] = by_file.get(where, 0.0) + own
+        by_function[f"{where}:{line}:{name} x{calls}"] = own
+
+    def most(table):
+        return sorted(table.items(), key=lambda item: -item[1])[:top]
+    return {"seconds": seconds, "by_file": most(by_file), "by_function": most(by_function)}
 
 
 def sync_parts(engine, sampler, device: str) -> dict:
@@ -452,6 +477,11 @@ def print_e2e(report: dict) -> None:
         f"{sum(row['gen_gc_s']):.2f} / {row['gen_cpu_s']:.1f}" for row in report["steps"]) + "; reference rounds "
         + "; ".join(f"{kind} " + ", ".join(f"{g:.2f} / {c:.1f}" for g, c in zip(r[f"{kind}_gc_s"], r[f"{kind}_cpu_s"]))
                     for kind in ("alone", "alone_logprobs", "loop")))
+    if "host_profile" in report:
+        profile = report["host_profile"]
+        print(f"host profile of one loop generate ({profile['seconds']:.2f} s under cProfile), own seconds:")
+        for kind in ("by_file", "by_function"):
+            print("\n".join(f"  {seconds:8.3f}  {where}" for where, seconds in profile[kind]))
     print("weight sync: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
 
 
@@ -489,7 +519,8 @@ def main() -> None:
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--rollout-tokens", type=int, default=128)
     parser.add_argument("--cases", default=None, help="comma-separated indices of the configurations to run")
-    parser.add_argument("--profile", action="store_true", help="profile one update of the first case")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one update of the first case; with --e2e, the host side of one generate")
     parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
     parser.add_argument("--read-trace", default=None, help="summarise a --trace file and exit")
