@@ -18,6 +18,7 @@ AC_MODES = ("selective", "full", "none")
 SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
+FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each kernel set
 
 
 @dataclass
@@ -319,7 +320,7 @@ def _validate_attention(attn_type: str, device: str) -> None:
         raise ValueError("model.attn_type=varlen needs FlashAttention: a CUDA GPU of capability >= 8.0; use flex")
     if attn_type == "flex_flash" and capability < (9, 0):
         raise ValueError("model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex")
-    if attn_type == "flex_flash" and not importable("flash_attn.cute"):  # no registry wheel in the pinned set
+    if attn_type == "flex_flash" and not importable(FLASH_PACKAGES["FA4"]):  # no registry wheel in the pinned set
         raise ValueError("model.attn_type=flex_flash needs flash-attn-4 (FA4's CuTe kernels), which is not "
                          "installed; use flex")
 

@@ -30,9 +30,7 @@ from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.protocols.module import Module
 from torchtitan.tools.utils import get_cuda_flash_attention_impl
 
-from config import importable
-
-FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each
+from config import FLASH_PACKAGES, importable
 
 
 class DenseMaskAttention(FlexAttention):
