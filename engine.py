@@ -149,16 +149,21 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     )
 
 
-def shard_divisor(cfg: Config) -> int:
-    """What a packed length must be a multiple of for sequence / context parallel to split it."""
+def packed_length_multiple(cfg: Config) -> int:
+    """What a packed length is padded to a multiple of: what sequence / context parallel split by, and for Flex
+    whole 128-token blocks (Inductor gives a query shorter than 128 its decoding kernel, which did not compile
+    for a float32 model on an H200; DP padding micro-batches are 2 tokens)."""
     p = cfg.parallelism
     # CP shards the document BlockMask by whole 128-token blocks, two load-balanced chunks per rank
-    return p.tensor_parallel_degree * (2 * p.context_parallel_degree * 128 if p.context_parallel_degree > 1 else 1)
+    blocks = 2 * p.context_parallel_degree * 128 if p.context_parallel_degree > 1 else 1
+    if cfg.model.attn_type in ("flex", "flex_flash"):
+        blocks = max(blocks, 128)
+    return p.tensor_parallel_degree * blocks
 
 
 def sequence_budget(cfg: Config) -> int:
-    """Longest sequence (RoPE length), rounded up to what SP/CP need to split evenly."""
-    divisor = shard_divisor(cfg)
+    """Longest sequence (RoPE length), rounded up to a packed length."""
+    divisor = packed_length_multiple(cfg)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     return -(-longest // divisor) * divisor
 
@@ -418,8 +423,8 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         return GatherOverCP.apply(local, cp_order, self.parallel_dims.get_mesh("cp").get_group())
 
     def _pad_for_sharding(self, tokens, positions, labels):
-        """Pad the packed length to a multiple of what sequence / context parallel split by."""
-        pad = -tokens.shape[1] % shard_divisor(self.cfg)
+        """Pad the packed length to a multiple of packed_length_multiple (a padding document, labels ignored)."""
+        pad = -tokens.shape[1] % packed_length_multiple(self.cfg)
         if pad == 0:
             return tokens, positions, labels
         return (

@@ -37,6 +37,31 @@ def torchrun(nproc, out, model_dir, *flags, env=None, backend="partial_dtensor")
     return torch.load(out)
 
 
+@pytest.mark.parametrize("attn,tp,cp,multiple", [
+    ("sdpa", 1, 1, 1), ("sdpa", 2, 1, 2), ("varlen", 2, 1, 2), ("sdpa", 1, 2, 512),
+    ("flex", 1, 1, 128), ("flex", 2, 1, 256), ("flex", 2, 2, 1024), ("flex_flash", 1, 1, 128),
+])
+def test_packed_micro_batches_are_padded_to_what_sharding_and_flex_need(attn, tp, cp, multiple):
+    """SP splits by TP, CP by 2 x CP 128-token blocks, and Flex gets whole 128-token blocks (a shorter query, such
+    as a 2-token DP padding micro-batch, would take Inductor's flex decoding kernel); the padding is its own
+    document whose labels are ignored."""
+    from types import SimpleNamespace
+
+    from config import Config
+    from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack, packed_length_multiple
+
+    cfg = Config()
+    cfg.model.attn_type, cfg.parallelism.tensor_parallel_degree, cfg.parallelism.context_parallel_degree = attn, tp, cp
+    assert packed_length_multiple(cfg) == multiple
+    tokens, positions = pack([[5] * 90, [7] * 40])
+    labels = torch.arange(130)[None]
+    padded = TorchTitanEngineWithLMHead._pad_for_sharding(SimpleNamespace(cfg=cfg), tokens, positions, labels)
+    length = -(-130 // multiple) * multiple
+    assert [t.shape[1] for t in padded] == [length] * 3
+    assert torch.equal(padded[1][0, 130:], torch.arange(length - 130)) and (padded[2][0, 130:] == IGNORE_INDEX).all()
+    assert torch.equal(padded[2][0, :130], labels[0])
+
+
 def test_varlen_runs_without_the_flash_package_torchtitan_switches_to(monkeypatch, dense_dir):
     """On a Hopper GPU (faked) without FA3 installed, torchtitan's varlen module fails to build; the project's
     keeps torch's built-in FlashAttention-2. (Its parity with the dense-mask reference was checked on a GPU: README.)"""
