@@ -402,7 +402,7 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
 
     def _logits(self, tokens, positions, labels) -> LocalLogits:
         """The model forward of a packed [1, T] micro-batch, as this rank holds it (see LocalLogits)."""
-        tokens, positions, labels = self._pad_for_sharding(tokens, positions, labels)
+        tokens, positions, labels = self._pad_to_packed_length(tokens, positions, labels)
         tokens, positions, labels = to_device(torch.cat([tokens, positions, labels]), self.device).unbind(0)
         input_dict = {"input": tokens[None], "positions": positions[None]}
         cp_order = self._cp_order(tokens.shape[0]) if self.parallel_dims.cp_enabled else None
@@ -422,7 +422,7 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
     def _gather_over_cp(self, local: torch.Tensor, cp_order: torch.Tensor) -> torch.Tensor:
         return GatherOverCP.apply(local, cp_order, self.parallel_dims.get_mesh("cp").get_group())
 
-    def _pad_for_sharding(self, tokens, positions, labels):
+    def _pad_to_packed_length(self, tokens, positions, labels):
         """Pad the packed length to a multiple of packed_length_multiple (a padding document, labels ignored)."""
         pad = -tokens.shape[1] % packed_length_multiple(self.cfg)
         if pad == 0:

@@ -55,7 +55,7 @@ def test_packed_micro_batches_are_padded_to_what_sharding_and_flex_need(attn, tp
     assert packed_length_multiple(cfg) == multiple
     tokens, positions = pack([[5] * 90, [7] * 40])
     labels = torch.arange(130)[None]
-    padded = TorchTitanEngineWithLMHead._pad_for_sharding(SimpleNamespace(cfg=cfg), tokens, positions, labels)
+    padded = TorchTitanEngineWithLMHead._pad_to_packed_length(SimpleNamespace(cfg=cfg), tokens, positions, labels)
     length = -(-130 // multiple) * multiple
     assert [t.shape[1] for t in padded] == [length] * 3
     assert torch.equal(padded[1][0, 130:], torch.arange(length - 130)) and (padded[2][0, 130:] == IGNORE_INDEX).all()
