@@ -74,8 +74,7 @@ class VLLMRollout:
         )
         self.sleeping = False
         # a dense model on a GPU computes with its weights as loaded: copying into them is all a sync needs
-        hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
-        self.copies_in_place = on_gpu and not getattr(hf_config, "num_experts", 0)
+        self.copies_in_place = on_gpu and not self.llm.llm_engine.vllm_config.model_config.is_moe
         self.sync_weights()
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
