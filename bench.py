@@ -378,22 +378,21 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> di
                 detokenize=False)
     kinds = {"alone": SamplingParams(**bare), "alone_logprobs": SamplingParams(**bare, logprobs=0, flat_logprobs=True)}
     report = {"prompts": len(prompts), "loop_logprob_samples": rollout_logprob_samples(cfg), "n": cfg.rollout.n}
+
+    def record(kind, timer, clock, tokens):
+        for key, value in (("s", timer.seconds), ("gc_s", sum(clock.seconds)), ("cpu_s", clock.cpu_s),
+                           ("tokens", tokens)):
+            report.setdefault(f"{kind}_{key}", []).append(value)
+
     for _ in range(rounds):
         for kind, params in kinds.items():
             with Timer(device) as timer, HostClock() as clock:
                 outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                                use_tqdm=False)
-            tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-            report.setdefault(f"{kind}_s", []).append(timer.seconds)
-            report.setdefault(f"{kind}_gc_s", []).append(sum(clock.seconds))
-            report.setdefault(f"{kind}_cpu_s", []).append(clock.cpu_s)
-            report.setdefault(f"{kind}_tokens", []).append(tokens)
+            record(kind, timer, clock, sum(len(o.token_ids) for out in outputs for o in out.outputs))
         with Timer(device) as timer, HostClock() as clock:
             rollout = sampler.generate(prompts, cfg.rollout.n, seed=1, logprob_samples=report["loop_logprob_samples"])
-        report.setdefault("loop_s", []).append(timer.seconds)
-        report.setdefault("loop_gc_s", []).append(sum(clock.seconds))
-        report.setdefault("loop_cpu_s", []).append(clock.cpu_s)
-        report.setdefault("loop_tokens", []).append(sum(len(r) for r in rollout.response_ids))
+        record("loop", timer, clock, sum(len(r) for r in rollout.response_ids))
     return report
 
 
