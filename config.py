@@ -50,7 +50,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass (1.0: off)
     top_k: int = -1  # -1: off
     gpu_memory_utilization: float = 0.4  # vLLM share of GPU memory (KV cache + weights)
-    max_num_seqs: int = 256  # vLLM concurrent sequences
+    max_num_seqs: int = 1024  # vLLM concurrent sequences (verl's default); its CUDA graphs cover batches up to this
+    # share each prompt's KV cache among its n responses (verl: on); off, vLLM skips its block bookkeeping for every
+    # generated token: ~1.1x faster generation on an H200, where one host thread sets the pace (README)
+    enable_prefix_caching: bool = False
     max_model_len: int | None = None  # default: max_prompt_length + max_response_length
     enforce_eager: bool = False  # True disables CUDA graphs in vLLM (always True on CPU)
     tensor_parallel_size: int = 1  # vLLM TP group size (external_launcher when > 1)

@@ -65,6 +65,8 @@ class VLLMRollout:
             distributed_executor_backend="external_launcher" if dist.get_world_size() > 1 else None,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             max_num_seqs=cfg.rollout.max_num_seqs,
+            compilation_config={"max_cudagraph_capture_size": cfg.rollout.max_num_seqs},  # vLLM's default: <= 512
+            enable_prefix_caching=cfg.rollout.enable_prefix_caching,
             max_model_len=cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
             enforce_eager=cfg.rollout.enforce_eager or not on_gpu,
             enable_sleep_mode=on_gpu and cfg.rollout.free_cache_engine,

@@ -18,7 +18,9 @@ from engine import TorchTitanEngineWithLMHead  # noqa: E402
 from loop import Sample, compute_logprobs, share_within_model_parallel  # noqa: E402
 from rollout import build_rollout  # noqa: E402
 
-PROMPTS = [[1, 4, 6, 9, 12], [1, 4, 6, 15, 11, 16, 17], [1, 5, 7, 8], [1, 9, 9, 3, 2, 6]]
+# the last prompt fills a whole KV block (vLLM CPU: 128 tokens): with prefix caching on, a block cached before a
+# weight sync would be served after it unless the sync resets the cache
+PROMPTS = [[1, 4, 6, 9, 12], [1, 4, 6, 15, 11, 16, 17], [1, 5, 7, 8], [1] + [3 + i % 15 for i in range(129)]]
 TEMPERATURE = 0.8
 EOS = 2  # tiny.py's <|im_end|>
 
@@ -66,7 +68,7 @@ def main():
     out, model_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     cfg = parse_cli(["--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32",
                      "--trainer.device", "cpu", "--trainer.output_dir", out + "_run", "--rollout.name", "vllm",
-                     "--data.max_response_length", "6", "--data.max_prompt_length", "26",
+                     "--data.max_response_length", "6", "--data.max_prompt_length", "130",
                      "--rollout.temperature", str(TEMPERATURE), "--optimizer.lr", "5e-2",
                      "--rollout.gpu_memory_utilization", "0.1", *extra])
     validate(cfg, int(os.environ["WORLD_SIZE"]))

@@ -16,9 +16,11 @@ def model_dir(tmp_path_factory):
     return make_tiny_qwen3(str(tmp_path_factory.mktemp("rollout")), layers=2, hidden=128, heads=2, kv_heads=1)  # vLLM CPU: head_dim 64
 
 
-def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path):
-    """One process: n responses per prompt, consecutive, ending at EOS or the length limit; log-probs as the engine's."""
-    assert_rollout_worker_matches(model_dir, tmp_path, [], nproc=1)
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["default", "prefix_caching"])
+def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path, prefix_caching):
+    """One process: n responses per prompt, consecutive, ending at EOS or the length limit; log-probs as the engine's
+    (with prefix caching, also after a sync on a prompt whose KV block vLLM cached before it)."""
+    assert_rollout_worker_matches(model_dir, tmp_path, ["--rollout.enable_prefix_caching", str(prefix_caching)], nproc=1)
 
 
 @pytest.fixture(scope="module")
