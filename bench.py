@@ -391,9 +391,16 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> di
                                                use_tqdm=False)
             record(kind, timer, clock, sum(len(o.token_ids) for out in outputs for o in out.outputs))
         with Timer(device) as timer, HostClock() as clock:
-            rollout = sampler.generate(prompts, cfg.rollout.n, seed=1, logprob_samples=report["loop_logprob_samples"])
+            rollout = loop_generate(cfg, sampler, prompts)
         record("loop", timer, clock, sum(len(r) for r in rollout.response_ids))
     return report
+
+
+def loop_generate(cfg, sampler, prompts):
+    """The loop's request on `prompts` (n responses each, log-probs where the loop asks), with a fixed seed."""
+    from loop import rollout_logprob_samples
+
+    return sampler.generate(prompts, cfg.rollout.n, seed=1, logprob_samples=rollout_logprob_samples(cfg))
 
 
 def host_profile(cfg, sampler, prompts, top: int = 25) -> dict:
@@ -402,11 +409,9 @@ def host_profile(cfg, sampler, prompts, top: int = 25) -> dict:
     import cProfile
     import pstats
 
-    from loop import rollout_logprob_samples
-
     profiler = cProfile.Profile()
     start = time.perf_counter()
-    profiler.runcall(sampler.generate, prompts, cfg.rollout.n, seed=1, logprob_samples=rollout_logprob_samples(cfg))
+    profiler.runcall(loop_generate, cfg, sampler, prompts)
     seconds = time.perf_counter() - start
     by_file, by_function = {}, {}
     for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
