@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,6 +39,8 @@ def main():
     loss = engine.dp_sum(torch.tensor([metrics["actor/pg_loss"]])).item()
     if engine.dp_rank == 0:
         torch.save({"grad": grad, "pg_loss": loss}, out)
+    dist.barrier()  # every rank done before any tears down its gloo pairs (as the other workers end)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
