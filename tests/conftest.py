@@ -30,11 +30,16 @@ def run_torchrun(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         warnings.warn(f"a rank crashed; ran once more: {' '.join(map(str, cmd))[:300]}\n{fatal_error(result.stderr)}")
         port = cmd.index("--master_port") + 1
         result = subprocess.run([*cmd[:port], str(free_port()), *cmd[port + 1:]], **kwargs)
-    assert result.returncode == 0, fatal_error(result.stderr) + (result.stdout or "")[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, failure_text(result)
     return result
 
 
 CRASH_SIGNALS = ("Signal 11 (SIGSEGV)", "Signal 6 (SIGABRT)")
+
+
+def failure_text(result: subprocess.CompletedProcess) -> str:
+    """What a failed launch says: the crash's stack first (if any), then the tails of stdout and stderr."""
+    return fatal_error(result.stderr) + (result.stdout or "")[-2000:] + (result.stderr or "")[-5000:]
 
 
 def fatal_error(stderr: str | None) -> str:
@@ -53,5 +58,5 @@ def run_worker(script: str, out, *args, env: dict | None = None):
     result = subprocess.run([sys.executable, os.path.join(TESTS, script), *map(str, args)], capture_output=True,
                             text=True, timeout=900, cwd=ROOT,
                             env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    assert result.returncode == 0, failure_text(result)
     return torch.load(out)
