@@ -94,7 +94,8 @@ class OptimizerConfig:
     weight_decay: float = 0.01  # verl default
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW defaults (torch, verl)
     eps: float = 1e-8  # AdamW default
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"  # torch.optim kernel choice
+    # torch.optim kernel choice; fused (torchtitan's default): one kernel per step, 2.5x foreach on an H200 (README)
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
 
 
 @dataclass
