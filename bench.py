@@ -2,7 +2,7 @@
 
     python bench.py --out bench.json              # the table in README (one GPU, random init, bf16)
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
-    python bench.py --read-trace t.json.gz        # kernel time by name and GPU idle in a --trace file
+    python bench.py --read-trace t.json.gz        # kernel time by kind and name, GPU idle, in a --trace file
     python bench.py --e2e 3 --model-dir /tmp/q06 --out e2e.json -- --data.train_files train.jsonl \
         --data.val_files test.jsonl --compile.enable True   # GRPO steps with vLLM; vLLM alone as reference
 
@@ -489,8 +489,20 @@ def print_e2e(report: dict) -> None:
     print("weight sync: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
 
 
+KERNEL_KINDS = (("flex_attention", "attention"), ("flash", "attention"), ("fmha", "attention"), ("gemm", "matmul"),
+                ("nvjet", "matmul"), ("cutlass", "matmul"), ("adam", "optimizer"),
+                ("nccl", "collective"), ("triton", "other fused (Inductor)"), ("chunk_cat", "FSDP copy"),
+                ("split_with_sizes_copy", "FSDP copy"))
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind by name: matmul, attention, fused Inductor code, optimizer, FSDP copy, ..."""
+    lowered = name.lower()
+    return next((kind for key, kind in KERNEL_KINDS if key in lowered), "other")
+
+
 def read_trace(path: str, top: int = 40) -> None:
-    """Print a --trace file's kernel time by name and the GPU idle time before each kernel name."""
+    """Print a --trace file's kernel time by kind and name, and the GPU idle time before each kernel name."""
     import collections
     import gzip
 
@@ -500,16 +512,18 @@ def read_trace(path: str, top: int = 40) -> None:
     if not kernels:
         print(f"{path}: no GPU kernels (a CPU run)")
         return
-    busy, idle_before = collections.Counter(), collections.Counter()
+    busy, idle_before, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
     end = kernels[0]["ts"]
     for k in kernels:
         busy[k["name"][:90]] += k["dur"] / 1e3
+        by_kind[kernel_kind(k["name"])] += k["dur"] / 1e3
         idle_before[k["name"][:90]] += max(0.0, k["ts"] - end) / 1e3
         end = max(end, k["ts"] + k["dur"])
     print(f"span {(end - kernels[0]['ts']) / 1e3:.1f} ms, kernels {sum(busy.values()):.1f} ms, "
           f"GPU idle {sum(idle_before.values()):.1f} ms")
-    for title, table in (("kernel time", busy), ("GPU idle just before", idle_before)):
-        print(f"\n{title} (ms, by kernel name):")
+    for title, table in (("kernel time by kind", by_kind), ("kernel time by name", busy),
+                         ("GPU idle just before, by kernel name", idle_before)):
+        print(f"\n{title} (ms):")
         for name, ms in table.most_common(top):
             print(f"{ms:9.1f}  {name}")
 

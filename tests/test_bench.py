@@ -1,9 +1,10 @@
 """bench.py's own measuring tools: what `--e2e` reports about the host during each generate."""
 
 import gc
+import json
 import time
 
-from bench import HostClock
+from bench import HostClock, read_trace
 
 
 def test_host_clock_counts_the_collections_and_the_cpu_time_inside_it():
@@ -16,3 +17,22 @@ def test_host_clock_counts_the_collections_and_the_cpu_time_inside_it():
     gc.collect()  # after the block: not counted
     assert clock.runs[2] == 1 and clock.seconds[2] > 0
     assert clock.cpu_s >= 0.2
+
+
+def test_read_trace_sums_kernel_time_by_kind_and_the_idle_gaps(tmp_path, capsys):
+    kernels = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 3000),  # microseconds
+               ("triton_tem_fused_flex_attention_backward_3", 3000, 2000),
+               ("void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>", 6000, 500),  # 1 ms idle before
+               ("triton_poi_fused__unsafe_view_mul_silu_8", 6500, 400),
+               ("sm90_xmma_gemm_bf16bf16_bf16f32", 6900, 1000),
+               ("void at::native::vectorized_elementwise_kernel<4, add>", 7900, 300)]
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000})  # host events are ignored
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    read_trace(str(path))
+    printed = capsys.readouterr().out
+    assert "span 8.2 ms, kernels 7.2 ms, GPU idle 1.0 ms" in printed
+    by_kind = printed.split("kernel time by kind (ms):\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split(None, 1) for line in by_kind] == [
+        ["4.0", "matmul"], ["2.0", "attention"], ["0.5", "FSDP copy"], ["0.4", "other fused (Inductor)"], ["0.3", "other"]]
