@@ -492,11 +492,11 @@ def print_e2e(report: dict) -> None:
 KERNEL_KINDS = (("flex_attention", "attention"), ("flash", "attention"), ("fmha", "attention"), ("gemm", "matmul"),
                 ("nvjet", "matmul"), ("cutlass", "matmul"), ("adam", "optimizer"),
                 ("nccl", "collective"), ("triton", "other fused (Inductor)"), ("chunk_cat", "FSDP copy"),
-                ("split_with_sizes_copy", "FSDP copy"))
+                ("split_with_sizes_copy", "FSDP copy"), ("memcpy", "memcpy / memset"), ("memset", "memcpy / memset"))
 
 
 def kernel_kind(name: str) -> str:
-    """A kernel's kind by name: matmul, attention, fused Inductor code, optimizer, FSDP copy, ..."""
+    """A kernel's kind by name: matmul, attention, fused Inductor code, optimizer, FSDP copy, memcpy, ..."""
     lowered = name.lower()
     return next((kind for key, kind in KERNEL_KINDS if key in lowered), "other")
 
@@ -508,7 +508,8 @@ def read_trace(path: str, top: int = 40) -> None:
 
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    gpu_work = ("kernel", "gpu_memcpy", "gpu_memset")
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in gpu_work), key=lambda e: e["ts"])
     if not kernels:
         print(f"{path}: no GPU kernels (a CPU run)")
         return

@@ -1,4 +1,4 @@
-"""bench.py's own measuring tools: what `--e2e` reports about the host during each generate."""
+"""bench.py's own measuring tools: what `--e2e` reports about the host during each generate; the trace summary."""
 
 import gc
 import json
@@ -27,12 +27,14 @@ def test_read_trace_sums_kernel_time_by_kind_and_the_idle_gaps(tmp_path, capsys)
                ("sm90_xmma_gemm_bf16bf16_bf16f32", 6900, 1000),
                ("void at::native::vectorized_elementwise_kernel<4, add>", 7900, 300)]
     events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]
+    events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 8200, "dur": 600})
     events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000})  # host events are ignored
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     read_trace(str(path))
     printed = capsys.readouterr().out
-    assert "span 8.2 ms, kernels 7.2 ms, GPU idle 1.0 ms" in printed
+    assert "span 8.8 ms, kernels 7.8 ms, GPU idle 1.0 ms" in printed
     by_kind = printed.split("kernel time by kind (ms):\n")[1].split("\n\n")[0].splitlines()
     assert [line.split(None, 1) for line in by_kind] == [
-        ["4.0", "matmul"], ["2.0", "attention"], ["0.5", "FSDP copy"], ["0.4", "other fused (Inductor)"], ["0.3", "other"]]
+        ["4.0", "matmul"], ["2.0", "attention"], ["0.6", "memcpy / memset"], ["0.5", "FSDP copy"],
+        ["0.4", "other fused (Inductor)"], ["0.3", "other"]]
