@@ -239,10 +239,6 @@ class TorchTitanEngine:
         dist.all_reduce(value, op=op, group=self.dp_mesh.get_group())
         return value
 
-    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over data-parallel ranks."""
-        return self.dp_all_reduce(value)
-
     # ------------------------------------------------------------------ modes and steps
 
     @contextlib.contextmanager

@@ -258,10 +258,11 @@ def update_actor(cfg, engine, samples) -> dict[str, float]:
         for _ in range(cfg.actor.ppo_epochs):
             for start in range(0, len(samples), mini_batch):
                 chunk = samples[start:start + mini_batch]
-                counts = engine.dp_sum(torch.tensor([float(sum(len(s.response_ids) for s in chunk)), len(chunk)]))
+                tokens = float(sum(len(s.response_ids) for s in chunk))
+                counts = engine.dp_all_reduce(torch.tensor([tokens, len(chunk)]))
                 loss_fn = grpo_loss_fn(cfg, max(counts[0].item(), 1.0), max(counts[1].item(), 1.0))
                 metrics = forward_backward_batch(engine, chunk, loss_fn, cfg.rollout.temperature)
-                metrics = {k: v for k, v in zip(metrics, engine.dp_sum(torch.tensor(list(metrics.values()))).tolist())}
+                metrics = dict(zip(metrics, engine.dp_all_reduce(torch.tensor(list(metrics.values()))).tolist()))
                 grad_norm, stepped = engine.optimizer_step()
                 metrics["actor/grad_norm"] = grad_norm
                 metrics["actor/skipped_steps"] = 0.0 if stepped else 1.0
@@ -318,7 +319,7 @@ def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
     diffs = [grpo.rollout_mismatch(s.old_logprobs, torch.tensor(s.rollout_logprobs)) for s in measured]
     mismatch = [sum(d["abs_diff"].sum().item() for d in diffs), sum(d["k3"].sum().item() for d in diffs),
                 float(sum(len(s.response_ids) for s in measured))]  # the mean is over the measured tokens
-    total = engine.dp_sum(torch.tensor(sums + mismatch, dtype=torch.float64)).tolist()
+    total = engine.dp_all_reduce(torch.tensor(sums + mismatch, dtype=torch.float64)).tolist()
     count = max(total[3], 1.0)
     metrics = {
         "critic/score/mean": total[0] / count,
@@ -345,7 +346,7 @@ def actor_flops(engine, sequence_lengths: list[int]) -> float:
 def perf_metrics(engine, samples, timings) -> dict[str, float]:
     """Throughput (tokens/s per device), actor MFU and peak memory."""
     lengths = [len(s.tokens) for s in samples]
-    tokens, flops = engine.dp_sum(torch.tensor([float(sum(lengths)), actor_flops(engine, lengths)],
+    tokens, flops = engine.dp_all_reduce(torch.tensor([float(sum(lengths)), actor_flops(engine, lengths)],
                                                dtype=torch.float64)).tolist()
     world = dist.get_world_size()
     tp_cp = world // engine.dp_size  # TP/CP peers hold the same tokens
@@ -372,7 +373,7 @@ def run_validation(cfg, engine, sampler, val_set, tokenizer) -> dict[str, float]
         scores = score(cfg, tokenizer, rollout.response_ids, [truth for _, truth in chunk])
         total += sum(scores[:max(len(mine) - start, 0)])  # padding does not count
         log(f"validation: {min((start + len(chunk)) * engine.dp_size, len(items))}/{len(items)} prompts")
-    summed = engine.dp_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64)).tolist()
+    summed = engine.dp_all_reduce(torch.tensor([total, float(len(mine))], dtype=torch.float64)).tolist()
     return {gsm8k.VAL_METRIC: summed[0] / max(summed[1], 1.0)}
 
 

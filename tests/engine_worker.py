@@ -51,7 +51,7 @@ def main():
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
                 engine.backward(loss)
                 loss_sum += loss.detach()
-            result["loss"].append(engine.dp_sum(loss_sum).item())
+            result["loss"].append(engine.dp_all_reduce(loss_sum).item())
             grad_norm, _ = engine.optimizer_step()
             result["grad_norm"].append(grad_norm)
     with engine.eval_mode():

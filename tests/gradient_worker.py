@@ -36,7 +36,7 @@ def main():
     with engine.train_mode():
         metrics = forward_backward_batch(engine, mine, grpo_loss_fn(cfg, tokens, len(samples)), 1.0)
     grad = torch.cat([p.grad.full_tensor().flatten() for p in engine.model.parameters()])  # the masters' again
-    loss = engine.dp_sum(torch.tensor([metrics["actor/pg_loss"]])).item()
+    loss = engine.dp_all_reduce(torch.tensor([metrics["actor/pg_loss"]])).item()
     if engine.dp_rank == 0:
         torch.save({"grad": grad, "pg_loss": loss}, out)
     dist.barrier()  # every rank done before any tears down its gloo pairs (as the other workers end)
