@@ -347,7 +347,7 @@ def perf_metrics(engine, samples, timings) -> dict[str, float]:
     """Throughput (tokens/s per device), actor MFU and peak memory."""
     lengths = [len(s.tokens) for s in samples]
     tokens, flops = engine.dp_all_reduce(torch.tensor([float(sum(lengths)), actor_flops(engine, lengths)],
-                                               dtype=torch.float64)).tolist()
+                                                      dtype=torch.float64)).tolist()
     world = dist.get_world_size()
     tp_cp = world // engine.dp_size  # TP/CP peers hold the same tokens
     metrics = {"perf/throughput": tokens * tp_cp / timings["step"] / world}
