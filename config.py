@@ -2,12 +2,18 @@
 
 Sections mirror torchtitan where they overlap (`parallelism`, `activation_checkpoint`,
 `compile`, `optimizer`, `lr_scheduler`, `checkpoint`); defaults follow verl's GSM8K GRPO recipe.
-`validate(cfg, world_size)` rejects bad input with one line before any heavy work.
+The task (`data.task`) and the model family (`model.family`) are modules loaded by name; the task's
+`Settings` dataclass is the `reward` section. `validate(cfg, world_size)` rejects bad input with a
+`SettingError` (one line) before any heavy work; `python config.py FLAGS` runs that check alone.
 """
 
+import dataclasses
+import functools
+import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,11 +25,22 @@ SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
 FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each kernel set
+TASK_API = ("load_problems", "build_prompt", "score", "VAL_METRIC")  # what a task module provides (README)
+MODEL_API = ("MODEL_TYPES", "model_spec", "training_flops")  # what a model-family module provides (README)
+
+
+class SettingError(ValueError):
+    """A bad setting: its one-line message names the setting and the fix (the entry point prints it, exit 2)."""
+
+
+class UnsupportedSetting(SettingError, NotImplementedError):
+    """A setting titan-grpo accepts but does not implement."""
 
 
 @dataclass
 class ModelConfig:
     path: str = "Qwen/Qwen3-0.6B"  # HF model dir (config.json + safetensors + tokenizer) or hub id
+    family: str = "qwen3"  # model-family module (config.json -> torchtitan model): a module name or a .py path
     attn_type: str = "flex"  # flex | flex_flash (Hopper+) | varlen (FlashAttention) | sdpa (dense mask, CPU)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (FSDP mixed precision)
     random_init: bool = False  # skip loading safetensors, keep torchtitan's random init (benchmarks)
@@ -31,8 +48,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: str = "../shared/data/gsm8k/train.jsonl"  # jsonl / parquet path, hub name, or "synthetic"
-    val_files: str = "../shared/data/gsm8k/test.jsonl"  # same forms as train_files
+    task: str = "gsm8k"  # task module (problems, prompt, reward): a module name or a .py path
+    train_files: str = "openai/gsm8k"  # what the task loads: jsonl / parquet path or hub dataset (its train split)
+    val_files: str = "openai/gsm8k"  # same forms as train_files (a hub dataset's test split)
     train_batch_size: int = 256  # prompts per step (verl recipe)
     val_batch_size: int = 256  # prompts per validation generate call
     max_val_samples: int = -1  # cap on validation prompts (-1: all)
@@ -52,7 +70,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.4  # vLLM share of GPU memory (KV cache + weights)
     max_num_seqs: int = 1024  # vLLM concurrent sequences (verl's default); its CUDA graphs cover batches up to this
     # share each prompt's KV cache among its n responses (verl: on); off, vLLM skips its block bookkeeping for every
-    # generated token: ~1.1x faster generation on an H200, where one host thread sets the pace (README)
+    # generated token, which is faster where one host thread sets generation's pace (benchmarks/)
     enable_prefix_caching: bool = False
     max_model_len: int | None = None  # default: max_prompt_length + max_response_length
     enforce_eager: bool = False  # True disables CUDA graphs in vLLM (always True on CPU)
@@ -94,7 +112,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01  # verl default
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW defaults (torch, verl)
     eps: float = 1e-8  # AdamW default
-    # torch.optim kernel choice; fused (torchtitan's default): one kernel per step, 2.5x foreach on an H200 (README)
+    # torch.optim kernel choice; fused (torchtitan's default): one kernel per step (benchmarks/)
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
 
 
@@ -135,13 +153,6 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RewardConfig:
-    method: Literal["strict", "flexible"] = "strict"  # verl gsm8k extraction
-    format_score: float = 0.0  # score for a well-formed but wrong answer
-    correct_score: float = 1.0  # score for a correct answer
-
-
-@dataclass
 class CheckpointConfig:
     save_freq: int = -1  # steps between DCP checkpoints, and one after the last step; -1: none
     keep_latest_k: int = 2  # DCP checkpoints kept (0: all)
@@ -174,16 +185,72 @@ class Config:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: object = None  # the task's Settings (`--reward.*`); None: the task's defaults
+
+    def __post_init__(self):
+        if self.reward is None:
+            self.reward = task_settings(load_task(self.data.task))()
 
 
 def parse_cli(args: list[str] | None = None) -> Config:
-    """Parse `--section.field value` arguments into a Config."""
+    """Parse `--section.field value` arguments into a Config; the `reward` section is data.task's Settings."""
     import tyro
 
-    return tyro.cli(Config, args=args, config=(tyro.conf.FlagConversionOff,))
+    args = sys.argv[1:] if args is None else list(args)
+    settings = task_settings(load_task(last_flag(args, "--data.task", DataConfig.task)))
+    with_task = dataclasses.make_dataclass("Config", [("reward", settings, field(default_factory=settings))],
+                                           bases=(Config,))
+    return tyro.cli(with_task, args=args, config=(tyro.conf.FlagConversionOff,))
+
+
+def last_flag(args: list[str], flag: str, default: str) -> str:
+    """The value of the last `flag value` or `flag=value` in args (tyro's rule: the last one wins)."""
+    value = default
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+@functools.cache  # one module object per name: a .py file runs once
+def load_module(name: str, setting: str, api: tuple[str, ...]):
+    """A plug-in module (task or model family): an importable name, or the path of a .py file."""
+    try:
+        if name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], os.path.abspath(name))
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(name)
+    except (ImportError, FileNotFoundError) as error:
+        raise SettingError(f"{setting}={name} cannot be loaded ({error}); give a module name or a .py path") from None
+    missing = [attr for attr in api if not hasattr(module, attr)]
+    if missing:
+        raise SettingError(f"{setting}={name} lacks {', '.join(missing)}; a {setting} module provides {', '.join(api)}")
+    return module
+
+
+def load_task(name: str):
+    """The task module of data.task: load_problems, build_prompt, score, VAL_METRIC (and optional Settings)."""
+    return load_module(name, "data.task", TASK_API)
+
+
+def load_model_family(name: str):
+    """The model-family module of model.family: MODEL_TYPES, model_spec, training_flops."""
+    return load_module(name, "model.family", MODEL_API)
+
+
+@dataclass
+class NoSettings:
+    """The reward section of a task without settings."""
+
+
+def task_settings(task) -> type:
+    return getattr(task, "Settings", NoSettings)
 
 
 def resolve_device(cfg: Config) -> str:
@@ -212,48 +279,48 @@ def dp_shard_degree(p: ParallelismConfig, world_size: int) -> int:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Raise ValueError / NotImplementedError with one line naming the setting and the fix."""
+    """Raise SettingError (UnsupportedSetting) with one line naming the setting and the fix."""
     p, device, a = cfg.parallelism, resolve_device(cfg), cfg.actor
     _validate_ranges(cfg)
     if p.pipeline_parallel_degree > 1:
-        raise NotImplementedError("parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
+        raise UnsupportedSetting("parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
                                   "in titan-grpo; use FSDP/TP/CP/EP (set it to 1)")
     dp = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
     model_parallel = p.tensor_parallel_degree * p.context_parallel_degree
     if dp * model_parallel != world_size:
-        raise ValueError(f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x tensor_parallel_"
+        raise SettingError(f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x tensor_parallel_"
                          f"degree x context_parallel_degree = {dp * model_parallel} != world size {world_size}; make "
                          "the product equal the number of processes")
     if cfg.rollout.name == "vllm" and model_parallel % cfg.rollout.tensor_parallel_size:
-        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide tensor_parallel_"
+        raise SettingError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide tensor_parallel_"
                          f"degree x context_parallel_degree = {model_parallel}: a vLLM TP group must hold only ranks "
                          "that share one batch; set it to a divisor of that product")
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
-        raise ValueError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
+        raise SettingError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
                          "(torchtitan has no varlen CP); use flex")
     if resolve_spmd_backend(cfg) == "spmd_types" and not TORCH_2_14:
-        raise ValueError(f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
+        raise SettingError(f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
                          "use --parallelism.spmd_backend partial_dtensor")
     _validate_attention(cfg.model.attn_type, device)
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
-    _validate_model_dir(cfg.model.path)
+        raise SettingError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
+    _validate_model_dir(cfg.model.path, load_model_family(cfg.model.family).MODEL_TYPES)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.max_tokens_per_micro_batch < longest:
-        raise ValueError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is smaller than one "
+        raise SettingError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is smaller than one "
                          f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}")
     if a.enable_cpu_offload and device == "cpu":
-        raise ValueError("actor.enable_cpu_offload=True needs a GPU (FSDP offloads from GPU memory); set it False on CPU")
+        raise SettingError("actor.enable_cpu_offload=True needs a GPU (FSDP offloads from GPU memory); set it False on CPU")
     if cfg.data.train_batch_size % a.ppo_mini_batch_size:
-        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+        raise SettingError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it one")
     if a.ppo_mini_batch_size % dp:
-        raise ValueError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts do not split over {dp} data-"
+        raise SettingError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts do not split over {dp} data-"
                          f"parallel ranks; make it (and data.train_batch_size) a multiple of {dp}")
     _validate_output_dir(cfg.trainer.output_dir)
     for logger in ("tensorboard", "wandb"):
         if logger in cfg.trainer.logger and importlib.util.find_spec(logger) is None:
-            raise ValueError(f"trainer.logger has {logger} but the {logger} package is not installed; "
+            raise SettingError(f"trainer.logger has {logger} but the {logger} package is not installed; "
                              f"pip install {logger} or drop it from trainer.logger")
 
 
@@ -298,13 +365,13 @@ def _setting(cfg: Config, name: str):
 def _validate_ranges(cfg: Config) -> None:
     for name, choices in CHOICES:
         if _setting(cfg, name) not in choices:
-            raise ValueError(f"{name}={_setting(cfg, name)!r} is unknown; use one of {choices}")
+            raise SettingError(f"{name}={_setting(cfg, name)!r} is unknown; use one of {choices}")
     for name in AT_LEAST_ONE:
         if _setting(cfg, name) < 1:
-            raise ValueError(f"{name}={_setting(cfg, name)} must be >= 1")
+            raise SettingError(f"{name}={_setting(cfg, name)} must be >= 1")
     for name, valid, wanted in RANGES:
         if not valid(_setting(cfg, name)):
-            raise ValueError(f"{name}={_setting(cfg, name)} must be {wanted}")
+            raise SettingError(f"{name}={_setting(cfg, name)} must be {wanted}")
 
 
 def _validate_output_dir(path: str) -> None:
@@ -312,20 +379,20 @@ def _validate_output_dir(path: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise ValueError(f"trainer.output_dir={path} cannot be written ({existing} is not a writable dir); choose another")
+        raise SettingError(f"trainer.output_dir={path} cannot be written ({existing} is not a writable dir); choose another")
 
 
 def _validate_attention(attn_type: str, device: str) -> None:
     if device == "cpu" and attn_type != "sdpa":
-        raise ValueError(f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
+        raise SettingError(f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
                          "use --model.attn_type sdpa on CPU")
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
     if attn_type == "varlen" and capability < (8, 0):
-        raise ValueError("model.attn_type=varlen needs FlashAttention: a CUDA GPU of capability >= 8.0; use flex")
+        raise SettingError("model.attn_type=varlen needs FlashAttention: a CUDA GPU of capability >= 8.0; use flex")
     if attn_type == "flex_flash" and capability < (9, 0):
-        raise ValueError("model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex")
+        raise SettingError("model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex")
     if attn_type == "flex_flash" and not importable(FLASH_PACKAGES["FA4"]):  # no registry wheel in the pinned set
-        raise ValueError("model.attn_type=flex_flash needs flash-attn-4 (FA4's CuTe kernels), which is not "
+        raise SettingError("model.attn_type=flex_flash needs flash-attn-4 (FA4's CuTe kernels), which is not "
                          "installed; use flex")
 
 
@@ -337,16 +404,32 @@ def importable(module: str) -> bool:
         return False
 
 
-def _validate_model_dir(path: str) -> None:
+def _validate_model_dir(path: str, model_types: tuple[str, ...]) -> None:
     if not os.path.isdir(path):
         looks_local = os.path.isabs(path) or path.startswith(".") or path.count("/") != 1
         if looks_local or os.path.isdir(path.split("/")[0]):  # "models/x" beside a local models/ is a typo
-            raise ValueError(f"model.path={path} does not exist; give an HF model dir or a hub id (org/name)")
+            raise SettingError(f"model.path={path} does not exist; give an HF model dir or a hub id (org/name)")
         return  # a hub id: run.sh / load_model_dir downloads it
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise ValueError(f"model.path={path} has no config.json; point it at an HF model dir")
+        raise SettingError(f"model.path={path} has no config.json; point it at an HF model dir")
     with open(config_file) as f:
         model_type = json.load(f).get("model_type")
-    if model_type not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"model.path={path} is model_type={model_type!r}; only qwen3 and qwen3_moe are supported")
+    if model_type not in model_types:
+        raise SettingError(f"model.path={path} is model_type={model_type!r}; model.family supports {model_types}")
+
+
+def check(args: list[str]) -> int:
+    """Validate the settings for WORLD_SIZE processes (run.sh, before it launches them): 0, or 2 with one line."""
+    try:
+        validate(parse_cli(args), int(os.environ.get("WORLD_SIZE", "1")))
+    except SettingError as error:
+        print(f"titan-grpo: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    import config  # the module, not __main__: one SettingError class for both
+
+    sys.exit(config.check(sys.argv[1:]))

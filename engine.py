@@ -3,7 +3,7 @@
 `TorchTitanEngine` builds a `torchtitan.trainer.Trainer` (as verl does) and reuses what it
 builds: `model_parts`, `optimizers`, `lr_schedulers`, `parallel_dims`, `checkpointer`.
 The Trainer is handed a no-op dataloader (the GRPO loop feeds it), the HF tokenizer of the
-model dir, and the model config qwen3.py reads from the dir's `config.json`; torchtitan's
+model dir, and the ModelSpec the model family (qwen3.py) makes of the dir's `config.json`; torchtitan's
 checkpointer loads the HF safetensors and writes DCP checkpoints.
 `TorchTitanEngineWithLMHead` adds the causal-LM head: per-token log-probs (and entropy, logprobs.py)
 of packed micro-batches, with the vocab sharded under TP and the tokens under CP.
@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import CheckpointManager
@@ -32,14 +33,11 @@ from torchtitan.config.configs import CompileConfig, DebugConfig, ParallelismCon
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.context_parallel import cp_shard
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 import cpu
-from config import Config, dp_shard_degree, resolve_device, resolve_spmd_backend
+from config import Config, SettingError, dp_shard_degree, load_model_family, resolve_device, resolve_spmd_backend
 from logprobs import IGNORE_INDEX, GatherOverCP, token_logprobs, tp_group_and_vocab
-from qwen3 import parallelize_keeping_tied_head, qwen3_model_config
 
 
 # ----------------------------------------------------------------------------- process group
@@ -70,7 +68,7 @@ def load_model_dir(path: str) -> str:
     try:
         return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
     except Exception as error:  # offline, no such repo, gated: say which setting, in one line
-        raise ValueError(f"model.path={path} is no local dir and could not be downloaded from the hub "
+        raise SettingError(f"model.path={path} is no local dir and could not be downloaded from the hub "
                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
 
 
@@ -100,16 +98,13 @@ class NoOpDataLoader(BaseDataLoader):
 def trainer_config(cfg: Config, model_dir: str, world_size: int):
     """torchtitan Trainer.Config mapped 1:1 from our Config."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        model = qwen3_model_config(json.load(f), cfg.model.attn_type)
+        hf_config = json.load(f)
     p, o = cfg.parallelism, cfg.optimizer
     optimizer_steps = cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * (
         cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
     )
     return Trainer.Config(
-        model_spec=ModelSpec(
-            name="qwen3", flavor="hf", model=model, parallelize_fn=parallelize_keeping_tied_head, pipelining_fn=None,
-            post_optimizer_build_fn=None, state_dict_adapter=Qwen3StateDictAdapter,  # no load-balancing hook: HF has none
-        ),
+        model_spec=load_model_family(cfg.model.family).model_spec(hf_config, cfg.model.attn_type),
         hf_assets_path=model_dir,
         dump_folder=cfg.trainer.output_dir,
         dataloader=NoOpDataLoader.Config(),
@@ -215,19 +210,25 @@ class TorchTitanEngine:
         """Load the latest DCP checkpoint of output_dir if any (resume), else the HF weights."""
         folder = self.checkpointer.folder
         if not self.cfg.checkpoint.resume and os.path.isdir(folder):
-            raise ValueError(f"checkpoint.resume=False but {folder} exists; remove it or set trainer.output_dir")
+            raise SettingError(f"checkpoint.resume=False but {folder} exists; remove it or set trainer.output_dir")
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:  # step-N folders
             partial = name.startswith("step-") and not os.path.isfile(os.path.join(folder, name, ".metadata"))
             if partial and dist.get_rank() == 0:  # torchtitan skips it too, without a word
                 print(f"skipping checkpoint {os.path.join(folder, name)}: incomplete (no .metadata)", flush=True)
         try:
             self.checkpointer.load()
-        except RuntimeError as error:  # DCP: a checkpoint of another model (shapes, names)
-            raise ValueError(
+        except (RuntimeError, CheckpointException) as error:  # a checkpoint of another model (shapes, names)
+            raise SettingError(
                 f"trainer.output_dir={self.cfg.trainer.output_dir}: its checkpoint does not fit this model "
-                f"({str(error).strip().splitlines()[-1][:200]}); choose a fresh trainer.output_dir"
+                f"({mismatch_line(error)}); choose a fresh trainer.output_dir"
             ) from None
         return self.trainer.step
+
+    def training_flops(self, sequence_lengths: list[int]) -> float:
+        """FLOPs of one forward + backward over sequences of these lengths (the model family's formula)."""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        family = load_model_family(self.cfg.model.family)
+        return family.training_flops(self.trainer.model_config, parameters, sequence_lengths)
 
     # ------------------------------------------------------------------ data parallel
 
@@ -333,6 +334,12 @@ class TorchTitanEngine:
                     tied_embedding = hf_tensor
         if "lm_head.weight" not in yielded and self.trainer.model_config.enable_weight_tying:
             yield "lm_head.weight", tied_embedding  # vLLM needs it even for tied models
+
+
+def mismatch_line(error: BaseException) -> str:
+    """The line of a DCP load error that says what did not fit (its last non-blank line, at most 200 chars)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(error).__name__
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:

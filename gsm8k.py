@@ -1,14 +1,16 @@
-"""GSM8K: dataset, prompt and reward. The file a fork replaces for another task.
+"""GSM8K: dataset, prompt and reward. A task module: the file a fork copies for another task.
 
-A task is three things and a name: `load_problems(source, split)` -> [{"question", "ground_truth"}],
-`build_prompt(question)` -> chat messages, `score(response, ground_truth)` -> float, and `VAL_METRIC`,
-the validation score's metric name.
+A task (`--data.task NAME_OR_PATH`) provides `load_problems(source, split, seed)` -> [{"question",
+"ground_truth"}], `build_prompt(question)` -> chat messages, `score(response, ground_truth, **settings)`
+-> float, `VAL_METRIC` (the validation score's name) and, optionally, `Settings`: a dataclass whose
+fields are the `--reward.*` flags and are passed to `score`.
 """
 
 import json
 import os
-import random
 import re
+from dataclasses import dataclass
+from typing import Literal
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 VAL_METRIC = "val-core/openai/gsm8k/reward/mean@1"  # verl's name: val-core/<data source>/reward/mean@<n>
@@ -23,14 +25,21 @@ def ground_truth_of(answer: str) -> str:
 HUB_SPLITS = {"train": "train", "val": "test"}  # the hub dataset's split for data.train_files / data.val_files
 
 
-def load_problems(source: str, split: str = "train", seed: int = 0, count: int = 2000) -> list[dict]:
-    """Problems from a jsonl/parquet path (openai or verl schema), a hub name, or 'synthetic'; `split` is
-    "train" or "val" (for a hub name, its train or test split).
+@dataclass
+class Settings:
+    """The `--reward.*` flags: verl's GSM8K reward options."""
+
+    method: Literal["strict", "flexible"] = "strict"  # strict: the last '#### number'; flexible: the last number
+    format_score: float = 0.0  # score for a well-formed but wrong answer
+    correct_score: float = 1.0  # score for a correct answer
+
+
+def load_problems(source: str, split: str = "train", seed: int = 0) -> list[dict]:
+    """Problems from a jsonl/parquet path (openai or verl schema) or a hub dataset name; `split` is
+    "train" or "val" (for a hub name, its train or test split); the order is the source's (`seed` unused).
 
     Raises ValueError naming the file (and line or row) for a missing, empty or malformed source.
     """
-    if source == "synthetic":
-        return synthetic_problems(count, seed)
     if source.endswith((".jsonl", ".parquet")) and not os.path.isfile(source):
         raise ValueError(f"{source} does not exist")
     if source.endswith(".jsonl"):
@@ -71,18 +80,6 @@ def _problem_from_row(row: dict, source: str, index: int) -> dict:
             f"{source} row {index} has neither question/answer (openai GSM8K) nor extra_info.question/"
             f"reward_model.ground_truth (verl parquet); its keys: {sorted(row)}"
         ) from None
-
-
-def synthetic_problems(count: int, seed: int) -> list[dict]:
-    """Seeded single-digit arithmetic in GSM8K format ("What is 3+4?" -> "7")."""
-    rng = random.Random(seed)
-    problems = []
-    for _ in range(count):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        op = rng.choice("+-*")
-        value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        problems.append({"question": f"What is {a}{op}{b}?", "ground_truth": str(value)})
-    return problems
 
 
 def build_prompt(question: str) -> list[dict]:

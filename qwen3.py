@@ -1,4 +1,9 @@
-"""HF Qwen3 / Qwen3-MoE `config.json` -> torchtitan model: the file a fork edits for another model.
+"""HF Qwen3 / Qwen3-MoE `config.json` -> torchtitan model. A model-family module (`--model.family`):
+the file a fork copies for another model.
+
+The interface engine.py and config.py call: `MODEL_TYPES` (the HF model_types it reads),
+`model_spec(hf_config, attn_type)` (torchtitan's ModelSpec: model config, parallelize function,
+state-dict adapter) and `training_flops(model_config, parameters, sequence_lengths)` (for MFU).
 
 `qwen3_model_config` maps the HF config onto torchtitan's Qwen3 builders (any size, dense or MoE);
 torchtitan's `Qwen3StateDictAdapter` maps the weights. Two module swaps make torchtitan 0.3.0 compute
@@ -27,10 +32,29 @@ from torchtitan.models.qwen3 import (
     parallelize_qwen3,
 )
 from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 from torchtitan.tools.utils import get_cuda_flash_attention_impl
 
 from config import FLASH_PACKAGES, importable
+
+MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def model_spec(hf: dict, attn_type: str) -> ModelSpec:
+    """torchtitan's ModelSpec of the HF config.json dict `hf` (no load-balancing hook: HF Qwen3-MoE has none)."""
+    return ModelSpec(name="qwen3", flavor="hf", model=qwen3_model_config(hf, attn_type),
+                     parallelize_fn=parallelize_keeping_tied_head, pipelining_fn=None, post_optimizer_build_fn=None,
+                     state_dict_adapter=Qwen3StateDictAdapter)
+
+
+def training_flops(model: Qwen3Model.Config, parameters: int, sequence_lengths: list[int]) -> float:
+    """FLOPs of one forward + backward: 6 N T + 6 L h d sum(len^2) (causal attention); N without the embedding."""
+    attention = model.layers[0].attention
+    embedding = model.vocab_size * model.dim if not model.enable_weight_tying else 0
+    dense = 6.0 * (parameters - embedding) * sum(sequence_lengths)
+    return dense + 6.0 * len(model.layers) * attention.n_heads * attention.head_dim * sum(n * n for n in sequence_lengths)
 
 
 class DenseMaskAttention(FlexAttention):

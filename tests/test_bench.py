@@ -1,10 +1,11 @@
-"""bench.py's own measuring tools: what `--e2e` reports about the host during each generate; the trace summary."""
+"""The benchmarks' own measuring tools: what bench_e2e.py reports about the host during each generate; the trace summary."""
 
 import gc
 import json
 import time
 
-from bench import HostClock, read_trace
+from bench import HostClock
+from bench_trace import read_trace
 
 
 def test_host_clock_counts_the_collections_and_the_cpu_time_inside_it():

@@ -1,4 +1,5 @@
-"""Reward extraction on every gold GSM8K test answer and on hand-written bad responses."""
+"""The task modules: GSM8K's reward on every gold test answer (tests/data: GSM8K's MIT-licensed test split) and on
+hand-written bad responses; the synthetic arithmetic task."""
 
 import json
 import os
@@ -7,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+import arithmetic
 import gsm8k
 
-TEST_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
+TEST_FILE = os.path.join(os.path.dirname(__file__), "data", "gsm8k_test.jsonl")
 
 
 def test_every_gold_answer_scores_one():
@@ -41,8 +43,8 @@ def test_prompt_and_synthetic_problems():
     messages = gsm8k.build_prompt("What is 2+3?")
     assert messages == [{"role": "user", "content":
                          'What is 2+3? Let\'s think step by step and output the final answer after "####".'}]
-    problems = gsm8k.load_problems("synthetic", seed=3, count=50)
-    assert problems == gsm8k.load_problems("synthetic", seed=3, count=50)
+    problems = arithmetic.load_problems("unused", seed=3)
+    assert problems == arithmetic.load_problems("unused", seed=3) != arithmetic.load_problems("unused", seed=4)
     for p in problems:
         assert str(eval(p["question"][8:-1])) == p["ground_truth"]
 

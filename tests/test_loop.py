@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -149,6 +150,7 @@ def test_log_probs_are_asked_for_where_they_are_used(extra, want):
 
 def test_the_mismatch_metric_averages_over_the_responses_that_have_both_log_probs():
     import loop
+    import metrics
     from rollout import Rollout
 
     class OneRank:
@@ -162,7 +164,7 @@ def test_the_mismatch_metric_averages_over_the_responses_that_have_both_log_prob
         samples.append(loop.Sample([1], [7] * length, sampled, old_logprobs=old))
     rollout = Rollout([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                       [s.rollout_logprobs for s in samples], ["stop"] * 4)
-    metrics = loop.rollout_metrics(OneRank(), samples, rollout, [0.0] * 4)
+    metrics = metrics.rollout_metrics(OneRank(), samples, rollout, [0.0] * 4)
     d = torch.cat([s.old_logprobs.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
                    for s in samples if s.rollout_logprobs is not None])  # old - rollout, 7 tokens
     assert metrics["rollout_corr/abs_logprob_diff"] == pytest.approx(d.abs().mean().item(), rel=1e-6)
@@ -170,25 +172,25 @@ def test_the_mismatch_metric_averages_over_the_responses_that_have_both_log_prob
 
 
 def test_a_fresh_run_starts_a_fresh_metrics_file(tmp_path, monkeypatch):
-    import loop
-
+    import metrics
     from config import parse_cli
 
-    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
     cfg = parse_cli(["--trainer.output_dir", str(tmp_path)])
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
-    loop.MetricsLog(cfg, resumed_step=2)
+    metrics.MetricsLog(cfg, resumed_step=2, val_metric="val")
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
-    loop.MetricsLog(cfg, resumed_step=0)
+    metrics.MetricsLog(cfg, resumed_step=0, val_metric="val")
     assert open(tmp_path / "metrics.jsonl").read() == ""
 
 
 def test_a_second_run_in_the_same_output_dir_stops_at_once(tmp_path):
-    import loop
+    from config import SettingError
+    from metrics import lock_output_dir
 
-    loop.lock_output_dir(str(tmp_path))
-    with pytest.raises(RuntimeError, match=f"trainer.output_dir={tmp_path} is in use by another run \\(pid {os.getpid()}\\)"):
-        loop.lock_output_dir(str(tmp_path))
+    lock_output_dir(str(tmp_path))
+    with pytest.raises(SettingError, match=f"trainer.output_dir={tmp_path} is in use by another run \\(pid {os.getpid()}\\)"):
+        lock_output_dir(str(tmp_path))
 
 
 @pytest.mark.parametrize("content,message", [
@@ -196,10 +198,42 @@ def test_a_second_run_in_the_same_output_dir_stops_at_once(tmp_path):
     ("{oops\n", "data.train_files: .* line 1 is not JSON"),
 ])
 def test_bad_data_names_the_setting(tmp_path, content, message):
+    import gsm8k
     import loop
-    from config import parse_cli
+    from config import SettingError, parse_cli
 
     path = tmp_path / "train.jsonl"
     path.write_text(content)
-    with pytest.raises(ValueError, match=message):
-        loop.load_data(parse_cli(["--data.train_files", str(path)]), "train")
+    with pytest.raises(SettingError, match=message):
+        loop.load_data(parse_cli(["--data.train_files", str(path)]), gsm8k, "train")
+
+
+def test_a_task_defined_in_a_test_file_runs_by_its_path(model_dir, tmp_path):
+    """--data.task tests/constant_task.py: the loop takes that file's problems and prompt, scores with its score and
+    its own --reward.* setting, and reports validation under its metric name."""
+    rows = train(model_dir, "unused", tmp_path, 1, "--data.task", os.path.join(HERE, "constant_task.py"),
+                 "--reward.constant", "0.25", "--reward.method", "strict")
+    assert "train: 7 prompts" in LAST_STDOUT[0] and "val: 3 prompts" in LAST_STDOUT[0]
+    assert [row["val-core/constant/reward/mean@1"] for row in rows] == [0.25, 0.25]
+    assert rows[1]["critic/score/mean"] == pytest.approx(0.25)
+
+
+def test_a_checkpoint_of_another_model_is_one_line_and_exit_2(model_dir, tasks, tmp_path):
+    """Resuming into an output dir that holds another model's checkpoint ends with exit code 2 and one line naming
+    trainer.output_dir (DCP's CheckpointException is a BaseException), and no traceback."""
+    train(model_dir, tasks, tmp_path, 1, "--checkpoint.save_freq", "1")
+    other = make_tiny_qwen3(str(tmp_path / "other"), layers=2, hidden=32, heads=2, kv_heads=1)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--model.path", other,
+                             "--model.attn_type", "sdpa", "--model.dtype", "float32", "--rollout.name", "native",
+                             "--data.train_files", tasks, "--data.val_files", tasks, "--trainer.output_dir",
+                             str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "MASTER_PORT": str(free_port())})
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert last.startswith(f"titan-grpo: trainer.output_dir={tmp_path}: its checkpoint does not fit this model"), last
+
+
+def test_a_bad_setting_is_one_line_on_stderr_and_exit_2():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--rollout.n", "0"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 2 and result.stderr == "titan-grpo: rollout.n=0 must be >= 1\n", result.stderr

@@ -1,0 +1,214 @@
+"""GRPO steps of the loop with vLLM on one GPU, then vLLM alone on the last step's prompts and the weight
+sync in parts. Weights are random (Qwen3-0.6B shapes): every response runs to the length limit.
+
+    python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
+    python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
+
+For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
+(`--profile`: the host's own time in one more generate by file and function, from cProfile).
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+import loop
+from bench import QWEN3_0P6B, HostClock, Timer
+from config import parse_cli
+from tiny import write_model_dir
+
+
+class ClockedSampler:
+    """The loop's sampler, with the host's side of each generate timed by a HostClock."""
+
+    def __init__(self, sampler):
+        self.sampler, self.clock = sampler, HostClock()
+
+    def generate(self, *args, **kwargs):
+        with self.clock:
+            return self.sampler.generate(*args, **kwargs)
+
+    def __getattr__(self, name):  # sync_weights, sleep, close, llm, ...: the sampler's own
+        return getattr(self.sampler, name)
+
+
+PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
+
+
+def e2e(args, loop_flags: list[str]) -> dict:
+    """GRPO steps of the loop with its sampler, then, on the last step's prompts, vLLM alone
+    (no log-probs, no detokenization, one seed: the least the engine can do) and the loop's
+    generate, and the weight sync in parts."""
+    cfg = parse_cli(["--model.path", args.model_dir, "--model.random_init", "True", *loop_flags])
+    run = loop.build_run(cfg)
+    clocked = dataclasses.replace(run, sampler=ClockedSampler(run.sampler))
+    report = {"flags": loop_flags, "steps": []}
+    for step in range(1, args.steps + 1):
+        unfrozen = len(gc.get_objects())  # what a full collection walks
+        metrics = loop.train_step(cfg, step, clocked)
+        clock = clocked.sampler.clock
+        report["steps"].append({"step": step, **metrics, "unfrozen_objects": unfrozen, **clock.report("gen_")})
+        print(" ".join(f"{k}={metrics[f'timing_s/{k}']:.2f}" for k in PHASES) + f" gen: collector "
+              f"{sum(clock.seconds):.2f} s {clock.runs}, CPU {clock.cpu_s:.1f} s; unfrozen {unfrozen}", flush=True)
+    prompts = [ids for ids, _ in run.train_set.batch(args.steps, cfg.data.train_batch_size)]
+    report["rollout"] = rollout_reference(cfg, run.sampler, prompts, args.device)
+    if args.profile:
+        report["host_profile"] = host_profile(cfg, run.sampler, prompts)
+    report["sync"] = sync_parts(run.engine, run.sampler, args.device)
+    print_e2e(report)
+    run.sampler.close()
+    return report
+
+
+def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> dict:
+    """Seconds and generated tokens on the same prompts, each kind `rounds` times, interleaved: vLLM alone
+    (no log-probs, no detokenization), vLLM alone with a log-prob for every token, the loop's generate
+    (log-probs for `rollout_logprob_samples` responses per prompt)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    bare = dict(n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
+                detokenize=False)
+    kinds = {"alone": SamplingParams(**bare), "alone_logprobs": SamplingParams(**bare, logprobs=0, flat_logprobs=True)}
+    report = {"prompts": len(prompts), "loop_logprob_samples": loop.rollout_logprob_samples(cfg), "n": cfg.rollout.n}
+
+    def record(kind, timer, clock, tokens):
+        for key, value in (("s", timer.seconds), ("gc_s", sum(clock.seconds)), ("cpu_s", clock.cpu_s),
+                           ("tokens", tokens)):
+            report.setdefault(f"{kind}_{key}", []).append(value)
+
+    for _ in range(rounds):
+        for kind, params in kinds.items():
+            with Timer(device) as timer, HostClock() as clock:
+                outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                               use_tqdm=False)
+            record(kind, timer, clock, sum(len(o.token_ids) for out in outputs for o in out.outputs))
+        with Timer(device) as timer, HostClock() as clock:
+            rollout = loop_generate(cfg, sampler, prompts)
+        record("loop", timer, clock, sum(len(r) for r in rollout.response_ids))
+    return report
+
+
+def loop_generate(cfg, sampler, prompts):
+    """The loop's request on `prompts` (n responses each, log-probs where the loop asks), with a fixed seed."""
+    return sampler.generate(prompts, cfg.rollout.n, seed=1, logprob_samples=loop.rollout_logprob_samples(cfg))
+
+
+def host_profile(cfg, sampler, prompts, top: int = 25) -> dict:
+    """Where the host's time goes in one more loop generate (cProfile, which inflates Python-heavy code): own
+    seconds by source file and by function, most first."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.runcall(loop_generate, cfg, sampler, prompts)
+    seconds = time.perf_counter() - start
+    by_file, by_function = {}, {}
+    for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
+        where = "(C functions)" if path == "~" else path.split("site-packages/")[-1]
+        by_file[where] = by_file.get(where, 0.0) + own
+        by_function[f"{where}:{line}:{name} x{calls}"] = own
+
+    def most(table):
+        return sorted(table.items(), key=lambda item: -item[1])[:top]
+    return {"seconds": seconds, "by_file": most(by_file), "by_function": most(by_function)}
+
+
+def sync_parts(engine, sampler, device: str) -> dict:
+    """The loop's weight sync (awake, and from sleep), the sync from sleep in parts, and what the garbage
+    collection that vLLM's sleep and wake run walks."""
+    parts = {}
+
+    def timed(name, fn):
+        with Timer(device) as timer:
+            result = fn()
+        parts[f"{name}_s"] = timer.seconds
+        return result
+
+    timed("sync_awake", sampler.sync_weights)
+    can_sleep = sampler.llm.llm_engine.vllm_config.model_config.enable_sleep_mode
+    if can_sleep:
+        timed("sleep", sampler.sleep)
+        timed("sync", sampler.sync_weights)
+        sampler.sleep()
+        timed("wake_weights", lambda: sampler.llm.wake_up(tags=["weights"]))
+    weights = timed("export", lambda: list(engine.export_hf_weights(dtype=sampler.dtype)))
+    timed("load", lambda: sampler.load(weights))
+    if sampler.copies_in_place:  # vLLM's layer-by-layer reload, which the copy replaces, for the ratio
+        timed("reload", lambda: sampler.reload(iter(weights)))
+    if can_sleep:
+        timed("wake_kv", lambda: sampler.llm.wake_up(tags=["kv_cache"]))
+        sampler.sleeping = False
+    parts["gb"] = sum(t.numel() * t.element_size() for _, t in weights) / 2**30
+    weights.clear()  # the exported copies go before the collections are timed
+    parts["unfrozen_objects"] = len(gc.get_objects())
+    timed("gc_collect", gc.collect)  # what each vLLM sleep/wake walks now
+    gc.unfreeze()
+    parts["all_objects"] = len(gc.get_objects())
+    timed("gc_collect_all", gc.collect)  # every object, vLLM's start-up heap included
+    gc.freeze()
+    if device == "cuda":
+        timed("empty_cache", torch.cuda.empty_cache)
+    sampler.sync_weights()  # the trainer's weights again, through the loop's path
+    return parts
+
+
+def print_e2e(report: dict) -> None:
+    print(f"\n{'step':<6}" + "".join(f"{p:>16}" for p in PHASES) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}")
+    for row in report["steps"]:
+        print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>16.2f}" for p in PHASES)
+              + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
+              f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}")
+    r, s = report["rollout"], report["sync"]
+    mean = {kind: sum(r[f"{kind}_s"]) / len(r[f"{kind}_s"]) for kind in ("alone", "alone_logprobs", "loop")}
+    paired = sorted(loop / alone for loop, alone in zip(r["loop_s"], r["alone_s"]))  # round by round: host drift cancels
+    print(f"rollout of {r['prompts']} prompts x {r['n']}, mean of {len(r['alone_s'])} rounds: vLLM alone "
+          f"{mean['alone']:.2f} s ({r['alone_tokens'][0]} tokens), with every log-prob {mean['alone_logprobs']:.2f} s, "
+          f"the loop's generate (log-probs for {r['loop_logprob_samples']} of {r['n']}) {mean['loop']:.2f} s "
+          f"({r['loop_tokens'][0]} tokens): {mean['loop'] / mean['alone']:.2f}x; median of the rounds' ratios "
+          f"{paired[len(paired) // 2]:.2f}x")
+    print("host during generate (collector s / process CPU s): steps " + ", ".join(
+        f"{sum(row['gen_gc_s']):.2f} / {row['gen_cpu_s']:.1f}" for row in report["steps"]) + "; reference rounds "
+        + "; ".join(f"{kind} " + ", ".join(f"{g:.2f} / {c:.1f}" for g, c in zip(r[f"{kind}_gc_s"], r[f"{kind}_cpu_s"]))
+                    for kind in ("alone", "alone_logprobs", "loop")))
+    if "host_profile" in report:
+        profile = report["host_profile"]
+        print(f"host profile of one loop generate ({profile['seconds']:.2f} s under cProfile), own seconds:")
+        for kind in ("by_file", "by_function"):
+            print("\n".join(f"  {seconds:8.3f}  {where}" for where, seconds in profile[kind]))
+    print("weight sync: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="GRPO steps of the loop (the first one compiles)")
+    parser.add_argument("--out", default="e2e.json")
+    parser.add_argument("--quick", action="store_true", help="a tiny model on CPU")
+    parser.add_argument("--profile", action="store_true", help="the host side of one more generate (cProfile)")
+    parser.add_argument("--model-dir", default=None, help="where to write the Qwen3-0.6B-shaped model dir")
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, loop_flags = parser.parse_args(argv[:split]), argv[split + 1:]
+    args.device = "cpu" if args.quick else "cuda"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as loop.main: vLLM's engine in this process
+    shapes = QUICK if args.quick else QWEN3_0P6B
+    args.model_dir = write_model_dir(args.model_dir or tempfile.mkdtemp(prefix="bench_model_"), shapes, "qwen3", None)
+    report = e2e(args, loop_flags)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+QUICK = dict(QWEN3_0P6B, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=64)  # vLLM's CPU attention wants head_dim 64
+
+
+if __name__ == "__main__":
+    main()

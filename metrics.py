@@ -1,0 +1,158 @@
+"""What a run reports and where: the step's metrics (verl's names), metrics.jsonl and the loggers, the
+output-dir lock, and the console lines that are known noise."""
+
+import fcntl
+import json
+import logging
+import os
+import resource
+import warnings
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.utils import get_peak_flops
+
+import grpo
+from config import Config, SettingError
+
+
+def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
+    """Global reward, length and mismatch means (summed over DP ranks)."""
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    truncated = torch.tensor([1.0 if f == "length" else 0.0 for f in rollout.finish_reasons])
+    sums = [sum(rewards), lengths.sum().item(), truncated.sum().item(), float(len(samples))]
+    measured = [s for s in samples if s.old_logprobs is not None and s.rollout_logprobs is not None]
+    diffs = [grpo.rollout_mismatch(s.old_logprobs, torch.tensor(s.rollout_logprobs)) for s in measured]
+    mismatch = [sum(d["abs_diff"].sum().item() for d in diffs), sum(d["k3"].sum().item() for d in diffs),
+                float(sum(len(s.response_ids) for s in measured))]  # the mean is over the measured tokens
+    total = engine.dp_all_reduce(torch.tensor(sums + mismatch, dtype=torch.float64)).tolist()
+    count = max(total[3], 1.0)
+    metrics = {
+        "critic/score/mean": total[0] / count,
+        "response_length/mean": total[1] / count,
+        "response_length/clip_ratio": total[2] / count,
+        "response_length/max": engine.dp_all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
+    }
+    if total[6] > 0:  # tokens with both log-probs
+        metrics["rollout_corr/abs_logprob_diff"], metrics["rollout_corr/kl_k3"] = total[4] / total[6], total[5] / total[6]
+    return metrics
+
+
+def perf_metrics(engine, samples, timings) -> dict[str, float]:
+    """Throughput (tokens/s per device), actor MFU and peak memory."""
+    lengths = [len(s.tokens) for s in samples]
+    tokens, flops = engine.dp_all_reduce(torch.tensor([float(sum(lengths)), engine.training_flops(lengths)],
+                                                      dtype=torch.float64)).tolist()
+    world = dist.get_world_size()
+    tp_cp = world // engine.dp_size  # TP/CP peers hold the same tokens
+    metrics = {"perf/throughput": tokens * tp_cp / timings["step"] / world}
+    if engine.device_type == "cuda":
+        peak = get_peak_flops(torch.cuda.get_device_name())
+        metrics["perf/mfu/actor"] = flops * engine.cfg.actor.ppo_epochs / (timings["update_actor"] * peak * world / tp_cp)
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        metrics["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return metrics
+
+
+class MetricsLog:
+    """metrics.jsonl in the output dir, plus trainer.logger's console line, TensorBoard, wandb (rank 0).
+
+    A fresh run starts a fresh file; a resumed one keeps the rows up to the step it resumed from
+    (rows of steps it redoes would otherwise appear twice).
+    """
+
+    CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("val", "val", "{:.3f}"),
+               ("actor/pg_loss", "pg_loss", "{:.4g}"), ("actor/entropy", "entropy", "{:.3f}"),
+               ("actor/grad_norm", "grad_norm", "{:.3g}"), ("response_length/mean", "response_len", "{:.0f}"),
+               ("rollout_corr/abs_logprob_diff", "mismatch", "{:.2g}"), ("timing_s/gen", "gen_s", "{:.1f}"),
+               ("timing_s/update_actor", "update_s", "{:.1f}"), ("timing_s/step", "step_s", "{:.1f}"),
+               ("perf/throughput", "tok/s/gpu", "{:.0f}"), ("perf/mfu/actor", "mfu", "{:.1%}"))
+
+    def __init__(self, cfg: Config, resumed_step: int, val_metric: str):
+        out = cfg.trainer.output_dir
+        self.console = [(val_metric if key == "val" else key, name, fmt) for key, name, fmt in self.CONSOLE]
+        self.path, self.loggers = os.path.join(out, "metrics.jsonl"), cfg.trainer.logger
+        self.rank0 = dist.get_rank() == 0
+        if not self.rank0:
+            return
+        os.makedirs(out, exist_ok=True)
+        kept = []
+        if resumed_step > 0 and os.path.isfile(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=resumed_step + 1)
+        if "wandb" in self.loggers:  # WANDB_MODE=offline etc. are wandb's own switches
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name, dir=out,
+                                    config=asdict(cfg), resume="allow")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.rank0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if "console" in self.loggers:
+            shown = " ".join(f"{name}={fmt.format(metrics[key])}" for key, name, fmt in self.console if key in metrics)
+            print(f"step {step}: {shown}", flush=True)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.rank0 and self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.rank0 and self.wandb is not None:
+            self.wandb.finish()
+
+
+def log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+_output_dir_lock = None  # held open for the life of the process
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Rank 0 holds an exclusive lock on output_dir: a second run there stops at once, not racing the first."""
+    global _output_dir_lock
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    handle = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise SettingError(f"trainer.output_dir={output_dir} is in use by another run (pid {handle.read().strip()}); "
+                           "stop that run or choose another trainer.output_dir") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _output_dir_lock = handle
+
+
+def quiet_known_noise() -> None:
+    """Silence third-party lines that read as failures but are not (set once, at the entry point)."""
+    logging.getLogger().addFilter(lambda record: not record.getMessage().startswith(KNOWN_NOISE))  # torchtitan's logger
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+
+
+KNOWN_NOISE = (
+    "Error running lspci",  # torchtitan then reads the device name, as it should
+    "Peak flops undefined for: cpu",  # MFU is reported on GPUs only
+    "torch.distributed is already initialized",  # the engine initialises it (gloo beside nccl), on purpose
+    "model.safetensors.index.json not found",  # a one-file checkpoint has none; the export writes one file
+)
