@@ -1,6 +1,6 @@
 """Benchmark on one GPU: actor update, log-prob pass, weight export and native rollout (Qwen3-0.6B shapes).
 
-    python bench.py --out bench.json              # the table in README (one GPU, random init, bf16)
+    python bench.py --out bench.json              # the update table in benchmarks/ (one GPU, random init, bf16)
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
     python bench.py --profile --trace t.json.gz   # the first case profiled; `python bench_trace.py t.json.gz` sums it
 
