@@ -1,8 +1,5 @@
-"""Synthetic single-digit arithmetic in GSM8K's format ("What is 3+4?" -> "7"): the CPU demo's task.
-
-Same prompt, reward and `--reward.*` settings as gsm8k.py; the problems are made from the seed, so
-`data.train_files` / `data.val_files` are not read.
-"""
+"""Synthetic single-digit arithmetic in GSM8K's format ("What is 3+4?" -> "7"), the CPU demo's task: GSM8K's
+prompt, reward and settings; the problems come from the seed (`data.train_files` / `val_files` are not read)."""
 
 import random
 

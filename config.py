@@ -1,12 +1,12 @@
 """All settings of a titan-grpo run as dataclasses, parsed as `--section.field value` (tyro).
 
-Sections mirror torchtitan where they overlap (`parallelism`, `activation_checkpoint`,
-`compile`, `optimizer`, `lr_scheduler`, `checkpoint`); defaults follow verl's GSM8K GRPO recipe.
-The task (`data.task`) and the model family (`model.family`) are modules loaded by name; the task's
-`Settings` dataclass is the `reward` section. `validate(cfg, world_size)` rejects bad input with a
-`SettingError` (one line) before any heavy work; `python config.py FLAGS` runs that check alone.
+Sections mirror torchtitan where they overlap; defaults follow verl's GSM8K GRPO recipe. `data.task` and
+`model.family` name plug-in modules; the task's `Settings` is the `reward` section. `validate` rejects bad input
+with a one-line `SettingError` before any heavy work; `python config.py FLAGS` runs that check alone.
 """
 
+import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -25,8 +25,10 @@ SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
 FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each kernel set
-TASK_API = ("load_problems", "build_prompt", "score", "VAL_METRIC")  # what a task module provides (README)
-MODEL_API = ("MODEL_TYPES", "model_spec", "training_flops")  # what a model-family module provides (README)
+PLUGIN_API = {  # what a task module and a model-family module provide (README: "Fork it")
+    "data.task": ("load_problems", "build_prompt", "score", "VAL_METRIC", "Settings"),
+    "model.family": ("MODEL_TYPES", "model_spec", "training_flops"),
+}
 
 
 class SettingError(ValueError):
@@ -69,8 +71,7 @@ class RolloutConfig:
     top_k: int = -1  # -1: off
     gpu_memory_utilization: float = 0.4  # vLLM share of GPU memory (KV cache + weights)
     max_num_seqs: int = 1024  # vLLM concurrent sequences (verl's default); its CUDA graphs cover batches up to this
-    # share each prompt's KV cache among its n responses (verl: on); off, vLLM skips its block bookkeeping for every
-    # generated token, which is faster where one host thread sets generation's pace (benchmarks/)
+    # share a prompt's KV cache among its n responses (verl: on); off skips vLLM's per-token block bookkeeping (faster)
     enable_prefix_caching: bool = False
     max_model_len: int | None = None  # default: max_prompt_length + max_response_length
     enforce_eager: bool = False  # True disables CUDA graphs in vLLM (always True on CPU)
@@ -191,34 +192,24 @@ class Config:
 
     def __post_init__(self):
         if self.reward is None:
-            self.reward = task_settings(load_task(self.data.task))()
+            self.reward = load_plugin("data.task", self.data.task).Settings()
 
 
 def parse_cli(args: list[str] | None = None) -> Config:
     """Parse `--section.field value` arguments into a Config; the `reward` section is data.task's Settings."""
     import tyro
 
-    args = sys.argv[1:] if args is None else list(args)
-    settings = task_settings(load_task(last_flag(args, "--data.task", DataConfig.task)))
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # data.task first: it defines --reward.*
+    first.add_argument("--data.task", dest="task", default=DataConfig.task)
+    settings = load_plugin("data.task", first.parse_known_args(args)[0].task).Settings
     with_task = dataclasses.make_dataclass("Config", [("reward", settings, field(default_factory=settings))],
                                            bases=(Config,))
     return tyro.cli(with_task, args=args, config=(tyro.conf.FlagConversionOff,))
 
 
-def last_flag(args: list[str], flag: str, default: str) -> str:
-    """The value of the last `flag value` or `flag=value` in args (tyro's rule: the last one wins)."""
-    value = default
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 @functools.cache  # one module object per name: a .py file runs once
-def load_module(name: str, setting: str, api: tuple[str, ...]):
-    """A plug-in module (task or model family): an importable name, or the path of a .py file."""
+def load_plugin(setting: str, name: str):
+    """The module a plug-in setting (data.task, model.family) names: an importable name or a .py file's path."""
     try:
         if name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], os.path.abspath(name))
@@ -228,29 +219,11 @@ def load_module(name: str, setting: str, api: tuple[str, ...]):
             module = importlib.import_module(name)
     except (ImportError, FileNotFoundError) as error:
         raise SettingError(f"{setting}={name} cannot be loaded ({error}); give a module name or a .py path") from None
-    missing = [attr for attr in api if not hasattr(module, attr)]
+    missing = [attr for attr in PLUGIN_API[setting] if not hasattr(module, attr)]
     if missing:
-        raise SettingError(f"{setting}={name} lacks {', '.join(missing)}; a {setting} module provides {', '.join(api)}")
+        raise SettingError(f"{setting}={name} lacks {', '.join(missing)}; such a module provides "
+                           f"{', '.join(PLUGIN_API[setting])}")
     return module
-
-
-def load_task(name: str):
-    """The task module of data.task: load_problems, build_prompt, score, VAL_METRIC (and optional Settings)."""
-    return load_module(name, "data.task", TASK_API)
-
-
-def load_model_family(name: str):
-    """The model-family module of model.family: MODEL_TYPES, model_spec, training_flops."""
-    return load_module(name, "model.family", MODEL_API)
-
-
-@dataclass
-class NoSettings:
-    """The reward section of a task without settings."""
-
-
-def task_settings(task) -> type:
-    return getattr(task, "Settings", NoSettings)
 
 
 def resolve_device(cfg: Config) -> str:
@@ -304,7 +277,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_attention(cfg.model.attn_type, device)
     if device == "cuda" and not torch.cuda.is_available():
         raise SettingError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
-    _validate_model_dir(cfg.model.path, load_model_family(cfg.model.family).MODEL_TYPES)
+    _validate_model_dir(cfg.model.path, load_plugin("model.family", cfg.model.family).MODEL_TYPES)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.max_tokens_per_micro_batch < longest:
         raise SettingError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is smaller than one "
@@ -419,17 +392,18 @@ def _validate_model_dir(path: str, model_types: tuple[str, ...]) -> None:
         raise SettingError(f"model.path={path} is model_type={model_type!r}; model.family supports {model_types}")
 
 
-def check(args: list[str]) -> int:
-    """Validate the settings for WORLD_SIZE processes (run.sh, before it launches them): 0, or 2 with one line."""
+@contextlib.contextmanager
+def one_line_errors():
+    """A SettingError inside ends the process with its one line on stderr and exit code 2, no traceback."""
     try:
-        validate(parse_cli(args), int(os.environ.get("WORLD_SIZE", "1")))
+        yield
     except SettingError as error:
-        print(f"titan-grpo: {error}", file=sys.stderr)
-        return 2
-    return 0
+        print(f"titan-grpo: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # run.sh's check before it starts several processes (WORLD_SIZE of them)
     import config  # the module, not __main__: one SettingError class for both
 
-    sys.exit(config.check(sys.argv[1:]))
+    with config.one_line_errors():
+        config.validate(config.parse_cli(sys.argv[1:]), int(os.environ.get("WORLD_SIZE", "1")))

@@ -1,13 +1,9 @@
-"""torchtitan 0.3.0 on CPU (tests, laptops): the two adaptations, made here instead of in site-packages.
+"""torchtitan 0.3.0 on CPU (tests, laptops): two adaptations, made here instead of in site-packages.
 
-- torchtitan assumes CUDA: six of its modules keep module-level `device_type = "cuda"` and
-  `device_module = torch.cuda` globals and call torch.cuda-style functions through them (device name
-  and properties, memory stats, empty_cache). `use_cpu_device()` rewrites those globals, process-wide.
-- gloo has no PREMUL_SUM, the reduction FSDP2 averages gradients with. `use_sum_reduction()` makes
-  FSDP sum instead; torchtitan normalises the loss globally, so its divide factor is 1 anyway.
-
-SDPA with a dense document mask, the attention CPU runs (Flex has no CPU backward, varlen no CPU
-kernel), is `attn_type=sdpa` in qwen3.py.
+- torchtitan assumes CUDA: six of its modules call torch.cuda-style functions through module-level
+  `device_type` / `device_module` globals; `use_cpu_device()` points them at the CPU, process-wide.
+- gloo has no PREMUL_SUM, which FSDP2 averages gradients with; `use_sum_reduction()` makes FSDP sum (torchtitan
+  normalises the loss globally, so its divide factor is 1 anyway). CPU attention is qwen3.py's `attn_type=sdpa`.
 """
 
 import importlib

@@ -1,13 +1,9 @@
 """The trainer side: torchtitan's `Trainer`, wrapped as verl's TorchTitan engine.
 
-`TorchTitanEngine` builds a `torchtitan.trainer.Trainer` (as verl does) and reuses what it
-builds: `model_parts`, `optimizers`, `lr_schedulers`, `parallel_dims`, `checkpointer`.
-The Trainer is handed a no-op dataloader (the GRPO loop feeds it), the HF tokenizer of the
-model dir, and the ModelSpec the model family (qwen3.py) makes of the dir's `config.json`; torchtitan's
-checkpointer loads the HF safetensors and writes DCP checkpoints.
-`TorchTitanEngineWithLMHead` adds the causal-LM head: per-token log-probs (and entropy, logprobs.py)
-of packed micro-batches, with the vocab sharded under TP and the tokens under CP.
-On CPU the engine applies cpu.py's adaptations of torchtitan first.
+`TorchTitanEngine` builds a `torchtitan.trainer.Trainer` (as verl does: a no-op dataloader, the model family's
+ModelSpec, the model dir's tokenizer, its checkpointer for the HF load and DCP) and reuses `model_parts`,
+`optimizers`, `lr_schedulers`, `parallel_dims`, `checkpointer`. `TorchTitanEngineWithLMHead` adds per-token
+log-probs and entropy of packed micro-batches (vocab sharded under TP, tokens under CP). CPU: cpu.py first.
 """
 
 import contextlib
@@ -36,11 +32,8 @@ from torchtitan.distributed.context_parallel import cp_shard
 from torchtitan.trainer import Trainer
 
 import cpu
-from config import Config, SettingError, dp_shard_degree, load_model_family, resolve_device, resolve_spmd_backend
+from config import Config, SettingError, dp_shard_degree, load_plugin, resolve_device, resolve_spmd_backend
 from logprobs import IGNORE_INDEX, GatherOverCP, token_logprobs, tp_group_and_vocab
-
-
-# ----------------------------------------------------------------------------- process group
 
 
 def init_process_group(device: str) -> None:
@@ -56,9 +49,6 @@ def init_process_group(device: str) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
 
 
-# ----------------------------------------------------------------------------- model dir
-
-
 def load_model_dir(path: str) -> str:
     """Local dir of an HF model: `path` itself, or a hub id fetched with huggingface_hub."""
     if os.path.isdir(path):
@@ -70,9 +60,6 @@ def load_model_dir(path: str) -> str:
     except Exception as error:  # offline, no such repo, gated: say which setting, in one line
         raise SettingError(f"model.path={path} is no local dir and could not be downloaded from the hub "
                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
-
-
-# ----------------------------------------------------------------------------- trainer
 
 
 class NoOpDataLoader(BaseDataLoader):
@@ -104,7 +91,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
         cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
     )
     return Trainer.Config(
-        model_spec=load_model_family(cfg.model.family).model_spec(hf_config, cfg.model.attn_type),
+        model_spec=load_plugin("model.family", cfg.model.family).model_spec(hf_config, cfg.model.attn_type),
         hf_assets_path=model_dir,
         dump_folder=cfg.trainer.output_dir,
         dataloader=NoOpDataLoader.Config(),
@@ -220,17 +207,15 @@ class TorchTitanEngine:
         except (RuntimeError, CheckpointException) as error:  # a checkpoint of another model (shapes, names)
             raise SettingError(
                 f"trainer.output_dir={self.cfg.trainer.output_dir}: its checkpoint does not fit this model "
-                f"({mismatch_line(error)}); choose a fresh trainer.output_dir"
+                f"({str(error).strip().splitlines()[-1][:200]}); choose a fresh trainer.output_dir"
             ) from None
         return self.trainer.step
 
     def training_flops(self, sequence_lengths: list[int]) -> float:
         """FLOPs of one forward + backward over sequences of these lengths (the model family's formula)."""
         parameters = sum(p.numel() for p in self.model.parameters())
-        family = load_model_family(self.cfg.model.family)
-        return family.training_flops(self.trainer.model_config, parameters, sequence_lengths)
-
-    # ------------------------------------------------------------------ data parallel
+        return load_plugin("model.family", self.cfg.model.family).training_flops(
+            self.trainer.model_config, parameters, sequence_lengths)
 
     def dp_all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce a copy of a tensor over data-parallel ranks (identity without DP)."""
@@ -239,8 +224,6 @@ class TorchTitanEngine:
         value = value.clone()
         dist.all_reduce(value, op=op, group=self.dp_mesh.get_group())
         return value
-
-    # ------------------------------------------------------------------ modes and steps
 
     @contextlib.contextmanager
     def train_mode(self):
@@ -291,8 +274,6 @@ class TorchTitanEngine:
         self.lr_schedulers.step()
         return float(lr)
 
-    # ------------------------------------------------------------------ checkpoints and export
-
     def save_checkpoint(self, step: int) -> None:
         """Write a DCP checkpoint (model, optimizer, LR schedule, step) for `step`; always writes."""
         self.trainer.step = step  # the GRPO step: what a resume reads back as loaded_step
@@ -336,12 +317,6 @@ class TorchTitanEngine:
             yield "lm_head.weight", tied_embedding  # vLLM needs it even for tied models
 
 
-def mismatch_line(error: BaseException) -> str:
-    """The line of a DCP load error that says what did not fit (its last non-blank line, at most 200 chars)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1][:200] if lines else type(error).__name__
-
-
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     """Host -> device copy that does not wait for the device to drain (pinned, non-blocking on CUDA)."""
     if torch.device(device).type != "cuda":
@@ -373,11 +348,8 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
         temperature: float = 1.0, with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log p(label) of a packed [1, T] micro-batch (0 where label is IGNORE_INDEX).
-
-        Sequences are packed back to back; `positions` restart at 0 for each one and define
-        the document mask. Returns (logprobs [T], entropy [T] or None), float32.
-        """
+        """(log p(label) [T], entropy [T] or None), float32, of a packed [1, T] micro-batch (0 where the label is
+        IGNORE_INDEX); `positions` restart at 0 for each sequence and define the document mask."""
         length = tokens.shape[1]
         out = self._logits(tokens, positions, labels)
         logprobs, entropy = token_logprobs(

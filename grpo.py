@@ -10,12 +10,9 @@ import torch
 
 def group_advantages(rewards: torch.Tensor, group_size: int, norm_adv_by_std: bool = True,
                      epsilon: float = 1e-6) -> torch.Tensor:
-    """GRPO outcome advantage per response: (r - mean_group) / (std_group + eps).
-
-    verl `compute_grpo_outcome_advantage`: groups are consecutive `group_size` responses of
-    one prompt; std is unbiased; a group of one gets mean 0, std 1. `norm_adv_by_std=False`
-    is Dr.GRPO (no std division).
-    """
+    """GRPO outcome advantage per response: (r - mean_group) / (std_group + eps) (verl
+    `compute_grpo_outcome_advantage`): groups are consecutive `group_size` responses of one prompt; std is
+    unbiased; a group of one gets mean 0, std 1. `norm_adv_by_std=False` is Dr.GRPO (no std division)."""
     grouped = rewards.view(-1, group_size).float()
     if group_size == 1:
         mean, std = torch.zeros_like(grouped), torch.ones_like(grouped)
@@ -47,10 +44,8 @@ def token_weights(response_lengths: torch.Tensor, mode: str, global_tokens: floa
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
-    """Per-token PPO clipped surrogate with dual clip (verl `compute_policy_loss_vanilla`).
-
-    Returns (loss [T], clipped [T] bool, clipped_lower [T] bool, approx_kl [T]).
-    """
+    """Per-token PPO clipped surrogate with dual clip (verl `compute_policy_loss_vanilla`): (loss [T], clipped [T]
+    bool, clipped_lower [T] bool, approx_kl [T])."""
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio

@@ -1,10 +1,5 @@
-"""GSM8K: dataset, prompt and reward. A task module: the file a fork copies for another task.
-
-A task (`--data.task NAME_OR_PATH`) provides `load_problems(source, split, seed)` -> [{"question",
-"ground_truth"}], `build_prompt(question)` -> chat messages, `score(response, ground_truth, **settings)`
--> float, `VAL_METRIC` (the validation score's name) and, optionally, `Settings`: a dataclass whose
-fields are the `--reward.*` flags and are passed to `score`.
-"""
+"""GSM8K: dataset, prompt and reward. A task module (`--data.task`), the file a fork copies for another task:
+`load_problems`, `build_prompt`, `score`, `VAL_METRIC` and `Settings` (the `--reward.*` flags, passed to `score`)."""
 
 import json
 import os
@@ -35,11 +30,8 @@ class Settings:
 
 
 def load_problems(source: str, split: str = "train", seed: int = 0) -> list[dict]:
-    """Problems from a jsonl/parquet path (openai or verl schema) or a hub dataset name; `split` is
-    "train" or "val" (for a hub name, its train or test split); the order is the source's (`seed` unused).
-
-    Raises ValueError naming the file (and line or row) for a missing, empty or malformed source.
-    """
+    """Problems from a jsonl/parquet path (openai or verl schema) or a hub dataset (its train or test split for
+    split "train" / "val"), in the source's order; ValueError naming the file and line for bad input."""
     if source.endswith((".jsonl", ".parquet")) and not os.path.isfile(source):
         raise ValueError(f"{source} does not exist")
     if source.endswith(".jsonl"):

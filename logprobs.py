@@ -1,10 +1,5 @@
-"""Per-token log-probs and entropy of (TP-sharded) logits, and the gather of CP-sharded tokens.
-
-Pure math over torch.distributed groups, the fused kernel the actor update spends its head time in:
-`token_logprobs` computes log p(label) and the entropy of softmax(logits / T) in float32 with the
-gradient in closed form, the vocab split over the TP group; `GatherOverCP` puts the tokens that
-context parallelism spread over ranks back into packed order.
-"""
+"""Per-token log-probs and entropy of (TP-sharded) logits, and the gather of CP-sharded tokens: `token_logprobs`
+(float32, the gradient in closed form, the vocab split over the TP group) and `GatherOverCP` (packed order)."""
 
 import functools
 

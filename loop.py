@@ -4,9 +4,8 @@
     torchrun --nproc_per_node=4 loop.py --parallelism.data_parallel_shard_degree 2 \\
         --parallelism.tensor_parallel_degree 2 --model.path Qwen/Qwen3-0.6B
 
-Every setting is a `--section.field value` flag of config.py. Read top-down: `train`, the run it
-builds, `train_step` and its phases, then the micro-batches that the log-prob pass and the update share.
-"""
+Settings: `--section.field value` flags (config.py). Read top-down: `train`, the run, `train_step` and its phases,
+then the micro-batches that the log-prob pass and the update share."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import grpo
-from config import Config, SettingError, load_task, parse_cli, validate
+from config import Config, SettingError, load_plugin, one_line_errors, parse_cli, validate
 from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, load_model_dir, pack, to_device
 from metrics import MetricsLog, lock_output_dir, log, perf_metrics, quiet_known_noise, rollout_metrics
 from rollout import Rollout, Sampler, build_rollout
@@ -73,7 +72,7 @@ def build_run(cfg: Config) -> Run:
     """Check the config, the output dir and the data; then build the engine(s) and the sampler (synced)."""
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     lock_output_dir(cfg.trainer.output_dir)
-    task = load_task(cfg.data.task)
+    task = load_plugin("data.task", cfg.data.task)
     tokenizer = AutoTokenizer.from_pretrained(load_model_dir(cfg.model.path))
     train_set = PromptSet(load_data(cfg, task, "train"), task, tokenizer, cfg, "train")
     val_set = PromptSet(load_data(cfg, task, "val"), task, tokenizer, cfg, "val")
@@ -117,8 +116,6 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the phases of a step
-
-
 def generate(sampler: Sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
              logprob_samples: int | None = None) -> Rollout:
     """n responses per prompt from the sampler; TP / CP peers all get their first peer's (they train on it)."""
@@ -129,8 +126,7 @@ def generate(sampler: Sampler, engine, prompts: list[list[int]], n: int, greedy:
 def score(cfg: Config, run: Run, response_ids: list[list[int]], truths: list[str]) -> list[float]:
     """The task's reward of each decoded response (the task's `--reward.*` settings as keywords)."""
     texts = run.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-    settings = vars(cfg.reward)
-    return [run.task.score(text, truth, **settings) for text, truth in zip(texts, truths)]
+    return [run.task.score(text, truth, **vars(cfg.reward)) for text, truth in zip(texts, truths)]
 
 
 def step_seed(cfg: Config, step: int, engine) -> int:
@@ -222,8 +218,6 @@ def run_validation(cfg: Config, run: Run) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- micro-batches
-
-
 @dataclass
 class Sample:
     """One prompt + response, with everything the update needs."""
@@ -300,12 +294,9 @@ def compute_logprobs(engine, samples: list[Sample], temperature: float) -> list[
 
 
 def forward_backward_batch(engine, samples: list[Sample], loss_fn, temperature: float) -> dict[str, float]:
-    """Forward and backward every micro-batch; gradients accumulate (no optimizer step).
-
-    `loss_fn(members, logprobs_per_member, entropy_per_member)` returns (loss, metrics), both already
-    normalised by the mini-batch's global counts, so the micro-batching does not change the result.
-    Returns the metrics summed over micro-batches.
-    """
+    """Forward and backward every micro-batch (gradients accumulate); returns the metrics summed over them.
+    `loss_fn(members, logprobs_per_member, entropy_per_member)` -> (loss, metrics), both normalised by the
+    mini-batch's global counts, so the micro-batching does not change the result."""
     metrics = defaultdict(float)
     for group, members in micro_batches(engine, samples):
         logprobs, entropy, windows = forward_micro_batch(engine, members, temperature, with_entropy=True)
@@ -347,8 +338,6 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
 
 
 # ----------------------------------------------------------------------------- data and entry point
-
-
 class PromptSet:
     """Tokenized chat prompts; over-long ones dropped (and counted), never truncated."""
 
@@ -411,11 +400,8 @@ def main(argv: list[str]) -> None:
     """Train with the settings in argv; a bad setting ends the process with one line on stderr and exit code 2."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's engine in this process: the sync copies in place
     quiet_known_noise()
-    try:
+    with one_line_errors():
         train(parse_cli(argv))
-    except SettingError as error:
-        print(f"titan-grpo: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
     if dist.is_initialized():  # vLLM's shutdown has already destroyed it
         dist.destroy_process_group()
 

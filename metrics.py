@@ -57,11 +57,8 @@ def perf_metrics(engine, samples, timings) -> dict[str, float]:
 
 
 class MetricsLog:
-    """metrics.jsonl in the output dir, plus trainer.logger's console line, TensorBoard, wandb (rank 0).
-
-    A fresh run starts a fresh file; a resumed one keeps the rows up to the step it resumed from
-    (rows of steps it redoes would otherwise appear twice).
-    """
+    """metrics.jsonl in the output dir, plus trainer.logger's console line, TensorBoard, wandb (rank 0). A fresh
+    run starts a fresh file; a resumed one keeps the rows up to its step (rows of steps it redoes would repeat)."""
 
     CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("val", "val", "{:.3f}"),
                ("actor/pg_loss", "pg_loss", "{:.4g}"), ("actor/entropy", "entropy", "{:.3f}"),

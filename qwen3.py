@@ -1,17 +1,10 @@
-"""HF Qwen3 / Qwen3-MoE `config.json` -> torchtitan model. A model-family module (`--model.family`):
-the file a fork copies for another model.
+"""HF Qwen3 / Qwen3-MoE `config.json` -> torchtitan model: a model-family module (`--model.family`), the file a
+fork copies for another model. Its interface: `MODEL_TYPES`, `model_spec(hf_config, attn_type)` (torchtitan's
+ModelSpec) and `training_flops(model_config, parameters, sequence_lengths)`.
 
-The interface engine.py and config.py call: `MODEL_TYPES` (the HF model_types it reads),
-`model_spec(hf_config, attn_type)` (torchtitan's ModelSpec: model config, parallelize function,
-state-dict adapter) and `training_flops(model_config, parameters, sequence_lengths)` (for MFU).
-
-`qwen3_model_config` maps the HF config onto torchtitan's Qwen3 builders (any size, dense or MoE);
-torchtitan's `Qwen3StateDictAdapter` maps the weights. Two module swaps make torchtitan 0.3.0 compute
-what HF computes: `DenseMaskAttention` (attn_type=sdpa: SDPA with a dense document mask, for CPU) and
-`ExpertsInInputDtype` (torchtitan's experts always compute in bfloat16), and MoE routing is built
-without torchtitan's load-balancing bias, which HF Qwen3-MoE does not have. `VarlenOnInstalledFlash`
-lets attn_type=varlen run where torchtitan's choice of flash kernels (FA3 / FA4) is not installed.
-`parallelize_keeping_tied_head` is torchtitan's parallelize_qwen3 with the tied lm_head kept tied.
+torchtitan's Qwen3 builders and `Qwen3StateDictAdapter` do the work; the module swaps below make torchtitan 0.3.0
+compute what HF computes (`DenseMaskAttention` for CPU, `ExpertsInInputDtype`, MoE without the load-balancing bias)
+and let varlen run on the flash kernels that are installed (`VarlenOnInstalledFlash`).
 """
 
 import dataclasses
@@ -178,12 +171,9 @@ def qwen3_model_config(hf: dict, attn_type: str) -> Qwen3Model.Config:
 
 
 def parallelize_keeping_tied_head(model, **kwargs):
-    """torchtitan's parallelize_qwen3, re-tying lm_head and embedding between TP and FSDP.
-
-    TP distributes the two modules' weights separately, which unties them; FSDP then keeps
-    two sharded copies and the embedding trains on a stale one (seen: FSDP=2 x TP=2 step 2 off).
-    Both are Shard(0) over the vocab under TP, so one parameter serves both.
-    """
+    """torchtitan's parallelize_qwen3, re-tying lm_head and embedding between TP and FSDP: TP distributes the two
+    weights separately, which unties them, and the embedding would train on a stale copy (FSDP=2 x TP=2 step 2 off).
+    Both are Shard(0) over the vocab under TP, so one parameter serves both."""
     if model.enable_weight_tying:
         tensor_parallelize = model.parallelize
 

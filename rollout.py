@@ -1,8 +1,5 @@
-"""Rollout: colocated vLLM or the trainer's own model, and weight sync trainer -> vLLM.
-
-Both samplers implement `Sampler`: token-id prompts in, a `Rollout` out with n responses per prompt
-(consecutive), the per-token sampling log-probs (after temperature) where asked for, and finish reasons.
-"""
+"""Rollout: colocated vLLM or the trainer's own model (both a `Sampler`: token-id prompts in, a `Rollout` out), and
+the weight sync trainer -> vLLM."""
 
 import contextlib
 import gc
@@ -29,21 +26,19 @@ class Rollout:
 
 
 class Sampler(Protocol):
-    """What the loop asks of a rollout engine (VLLMRollout and NativeRollout; an SGLang one would be a third)."""
+    """What the loop asks of a rollout engine (VLLMRollout, NativeRollout; an SGLang one would be a third):
+    `generate` n responses per prompt (one greedy each, reproducible from `seed`, sampling log-probs for the first
+    `logprob_samples` of each prompt, None: all), `sync_weights` from the trainer (returns seconds), `sleep` to free
+    its accelerator memory for the update (the next sync restores it), `close`."""
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
-                 logprob_samples: int | None = None) -> Rollout:
-        """n responses per prompt (one greedy each), reproducible from `seed`; sampling log-probs for the first
-        `logprob_samples` responses of each prompt (None: all)."""
+                 logprob_samples: int | None = None) -> Rollout: ...
 
-    def sync_weights(self) -> float:
-        """Take the trainer's current weights; returns the seconds it took."""
+    def sync_weights(self) -> float: ...
 
-    def sleep(self) -> None:
-        """Free the sampler's accelerator memory for the update (the next sync_weights restores it)."""
+    def sleep(self) -> None: ...
 
-    def close(self) -> None:
-        """Shut the sampler down."""
+    def close(self) -> None: ...
 
 
 def build_rollout(cfg: Config, engine, eos_token_ids: list[int]) -> Sampler:
@@ -53,15 +48,9 @@ def build_rollout(cfg: Config, engine, eos_token_ids: list[int]) -> Sampler:
     return VLLMRollout(cfg, engine)
 
 
-# ----------------------------------------------------------------------------- vLLM
-
-
 class VLLMRollout:
-    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process.
-
-    The engine starts from dummy weights and takes the trainer's at once (as verl does): no
-    second read of the checkpoint, and a random-init or resumed trainer is what gets sampled.
-    """
+    """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process. It starts from dummy
+    weights and takes the trainer's at once (as verl does): a random-init or resumed trainer is what gets sampled."""
 
     def __init__(self, cfg: Config, engine):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # loop.main and run.sh set it
@@ -74,8 +63,7 @@ class VLLMRollout:
                 f"rollout.name=vllm but vllm cannot be imported ({error}); install the pinned set "
                 "(bash run.sh does) or use --rollout.name native"
             ) from error
-        # the in-place reload warns for every layer whose only tensors no checkpoint holds (RoPE's cos/sin
-        # cache, which it keeps as it was): one line per sync and rank, about nothing
+        # the in-place reload warns per sync, rank and layer whose only tensors (RoPE's cache) no checkpoint holds
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cfg, self.engine = cfg, engine
         on_gpu = engine.device_type == "cuda"
@@ -122,7 +110,6 @@ class VLLMRollout:
             for sample in output.outputs:
                 rollout.prompt_ids.append(list(prompt))
                 rollout.response_ids.append(list(sample.token_ids))
-                # logprobs=0: one entry per position
                 rollout.logprobs.append(list(sample.logprobs.logprobs) if params.logprobs is not None else None)
                 rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
         return rollout
@@ -208,27 +195,18 @@ def copy_into_weights(worker, weights) -> None:
 
 
 def forget_moe_kernels(worker) -> None:
-    """Make vLLM's next reload set up its MoE kernels afresh (run on each vLLM worker).
-
-    vLLM CPU 0.32 treats a reload as a "weight update" and skips the MoE experts' prepacking, so the
-    new weights land unpacked in the packed buffers (samples from a wrong model). Without a kernel
-    the reload counts as a first load and prepacks. GPU backends update in place; they skip this.
-    """
+    """Make vLLM's next reload set up its MoE kernels afresh (run on each vLLM worker): vLLM CPU 0.32 treats a
+    reload as a "weight update" and skips the experts' prepacking, so new weights landed unpacked in packed buffers.
+    Without a kernel the reload counts as a first load and prepacks. GPU backends update in place."""
     for module in worker.model_runner.model.modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel = None
 
 
-# ----------------------------------------------------------------------------- native
-
-
 class NativeRollout:
-    """Samples with the trainer's own sharded model: no vLLM, no weight sync, exact log-probs.
-
-    Recomputes the whole prefix each step (no KV cache): simple and exact, slow for long
-    responses. Every rank runs the same number of forwards (FSDP needs them in lockstep).
-    """
+    """Samples with the trainer's own sharded model: no vLLM, no weight sync, exact log-probs. Recomputes the
+    whole prefix each token (no KV cache); every rank runs as many forwards (FSDP's lockstep)."""
 
     def __init__(self, cfg: Config, engine, eos_token_ids: list[int]):
         self.cfg, self.engine, self.eos = cfg, engine, set(eos_token_ids)

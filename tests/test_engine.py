@@ -63,7 +63,7 @@ def test_packed_micro_batches_are_padded_to_what_sharding_and_flex_need(attn, tp
 
 def test_varlen_runs_without_the_flash_package_torchtitan_switches_to(monkeypatch, dense_dir):
     """On a Hopper GPU (faked) without FA3 installed, torchtitan's varlen module fails to build; the project's
-    keeps torch's built-in FlashAttention-2. (Its parity with the dense-mask reference was checked on a GPU: README.)"""
+    keeps torch's built-in FlashAttention-2. (Its parity with the dense-mask reference was checked on a GPU: benchmarks/.)"""
     import torchtitan.tools.utils
     from torch.nn.attention import current_flash_attention_impl
     from torchtitan.models.common.attention import VarlenAttention
