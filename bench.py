@@ -285,7 +285,8 @@ def _hf_micro_batch_loss(model, members, global_tokens, cfg, dtype, device, grpo
     entropy = -(logp.exp() * logp).sum(-1)[valid]
     advantages = torch.cat([torch.full((len(s.response_ids),), s.advantage) for s in members]).to(device)
     weights = torch.full_like(current, 1.0 / global_tokens)
-    loss, _ = grpo.grpo_token_loss(current, current.detach(), advantages, weights, cfg.algorithm, entropy)
+    lengths = torch.tensor([len(s.response_ids) for s in members])
+    loss, _ = grpo.grpo_token_loss(current, current.detach(), advantages, weights, cfg.algorithm, entropy, lengths=lengths)
     return loss
 
 

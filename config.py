@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+import grpo
+
 ATTN_TYPES = ("flex", "flex_flash", "varlen", "sdpa")
 AC_MODES = ("selective", "full", "none")
 SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
@@ -151,6 +153,12 @@ class AlgorithmConfig:
     kl_loss_type: str = "low_var_kl"  # verl's: k1/kl, abs, k2/mse, k3/low_var_kl; "+": k2 gradient (e.g. k3+)
     entropy_coeff: float = 0.0  # entropy bonus weight (verl recipe: 0)
     tis_cap: float | None = None  # truncated importance sampling cap C (rollout vs trainer); None: off
+    adv_estimator: str = "grpo"  # grpo | rloo (verl's algorithm.adv_estimator)
+    loss_mode: str = "vanilla"  # vanilla (PPO clip + dual clip) | gspo (verl's actor.policy_loss.loss_mode)
+    filter_groups: bool = False  # DAPO dynamic sampling: train only on groups whose rewards differ (verl's .enable)
+    max_num_gen_batches: int = 10  # generation batches a step may take to fill its batch (verl's filter_groups)
+    overlong_buffer_len: int = 0  # DAPO overlong shaping over the last tokens before the limit (verl's len); 0: off
+    overlong_penalty_factor: float = 1.0  # the penalty at the limit (verl's overlong_buffer.penalty_factor)
 
 
 @dataclass
@@ -261,47 +269,51 @@ def validate(cfg: Config, world_size: int) -> None:
     dp = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
     model_parallel = p.tensor_parallel_degree * p.context_parallel_degree
     if dp * model_parallel != world_size:
-        raise SettingError(f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x tensor_parallel_"
-                         f"degree x context_parallel_degree = {dp * model_parallel} != world size {world_size}; make "
-                         "the product equal the number of processes")
+        raise SettingError(f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "
+                           f"tensor_parallel_degree x context_parallel_degree = {dp * model_parallel} != world size "
+                           f"{world_size}; make the product equal the number of processes")
     if cfg.rollout.name == "vllm" and model_parallel % cfg.rollout.tensor_parallel_size:
-        raise SettingError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide tensor_parallel_"
-                         f"degree x context_parallel_degree = {model_parallel}: a vLLM TP group must hold only ranks "
-                         "that share one batch; set it to a divisor of that product")
+        raise SettingError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide "
+                           f"tensor_parallel_degree x context_parallel_degree = {model_parallel}: a vLLM TP group must "
+                           "hold only ranks that share one batch; set it to a divisor of that product")
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
         raise SettingError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
-                         "(torchtitan has no varlen CP); use flex")
+                           "(torchtitan has no varlen CP); use flex")
     if resolve_spmd_backend(cfg) == "spmd_types" and not TORCH_2_14:
         raise SettingError(f"parallelism.spmd_backend=spmd_types needs torch >= 2.14 (have {torch.__version__}); "
-                         "use --parallelism.spmd_backend partial_dtensor")
+                           "use --parallelism.spmd_backend partial_dtensor")
     _validate_attention(cfg.model.attn_type, device)
     if device == "cuda" and not torch.cuda.is_available():
         raise SettingError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
     _validate_model_dir(cfg.model.path, load_plugin("model.family", cfg.model.family).MODEL_TYPES)
+    if cfg.algorithm.overlong_buffer_len >= cfg.data.max_response_length:
+        raise SettingError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be smaller than "
+                           f"data.max_response_length={cfg.data.max_response_length}")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.max_tokens_per_micro_batch < longest:
         raise SettingError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is smaller than one "
-                         f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}")
+                           f"sequence (max_prompt_length + max_response_length = {longest}); raise it to >= {longest}")
     if a.enable_cpu_offload and device == "cpu":
-        raise SettingError("actor.enable_cpu_offload=True needs a GPU (FSDP offloads from GPU memory); set it False on CPU")
+        raise SettingError("actor.enable_cpu_offload=True needs a GPU (FSDP offloads from GPU memory); set it False")
     if cfg.data.train_batch_size % a.ppo_mini_batch_size:
         raise SettingError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
-                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it one")
+                           f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it one")
     if a.ppo_mini_batch_size % dp:
         raise SettingError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts do not split over {dp} data-"
-                         f"parallel ranks; make it (and data.train_batch_size) a multiple of {dp}")
+                           f"parallel ranks; make it (and data.train_batch_size) a multiple of {dp}")
     _validate_output_dir(cfg.trainer.output_dir)
     for logger in ("tensorboard", "wandb"):
         if logger in cfg.trainer.logger and importlib.util.find_spec(logger) is None:
             raise SettingError(f"trainer.logger has {logger} but the {logger} package is not installed; "
-                             f"pip install {logger} or drop it from trainer.logger")
+                               f"pip install {logger} or drop it from trainer.logger")
 
 
 # string settings tyro leaves free (a Literal would fail with tyro's usage text, not one line)
 CHOICES = (
     ("model.attn_type", ATTN_TYPES), ("activation_checkpoint.mode", AC_MODES),
     ("parallelism.spmd_backend", ("auto",) + SPMD_BACKENDS), ("algorithm.loss_agg_mode", LOSS_AGG_MODES),
-    ("algorithm.kl_loss_type", KL_TYPES),
+    ("algorithm.kl_loss_type", KL_TYPES), ("algorithm.adv_estimator", tuple(grpo.ADVANTAGE_ESTIMATORS)),
+    ("algorithm.loss_mode", tuple(grpo.POLICY_LOSSES)),
 )
 AT_LEAST_ONE = (
     "data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
@@ -309,7 +321,7 @@ AT_LEAST_ONE = (
     "actor.ppo_epochs", "actor.max_tokens_per_micro_batch", "actor.logprob_chunk_tokens",
     "trainer.total_training_steps", "parallelism.data_parallel_replicate_degree",
     "parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
-    "parallelism.expert_parallel_degree", "parallelism.pipeline_parallel_degree",
+    "parallelism.expert_parallel_degree", "parallelism.pipeline_parallel_degree", "algorithm.max_num_gen_batches",
 )
 # (setting, test, what a valid value is)
 RANGES = (
@@ -324,6 +336,8 @@ RANGES = (
     ("algorithm.clip_ratio_c", lambda v: v > 1, "> 1 (verl: 3.0)"),
     ("algorithm.kl_loss_coef", lambda v: v >= 0, ">= 0"),
     ("algorithm.tis_cap", lambda v: v is None or v > 0, "> 0 (or unset)"),
+    ("algorithm.overlong_buffer_len", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("algorithm.overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
     ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, ">= 1, or -1 for what the others leave"),
     ("checkpoint.keep_latest_k", lambda v: v == 0 or v >= 2,
      "0 (keep all) or >= 2 (the newest may still be being written)"),
@@ -352,13 +366,13 @@ def _validate_output_dir(path: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise SettingError(f"trainer.output_dir={path} cannot be written ({existing} is not a writable dir); choose another")
+        raise SettingError(f"trainer.output_dir={path} cannot be written ({existing} is no writable dir); pick another")
 
 
 def _validate_attention(attn_type: str, device: str) -> None:
     if device == "cpu" and attn_type != "sdpa":
         raise SettingError(f"model.attn_type={attn_type} has no CPU kernel (flex: no CPU backward, varlen: CUDA only); "
-                         "use --model.attn_type sdpa on CPU")
+                           "use --model.attn_type sdpa on CPU")
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
     if attn_type == "varlen" and capability < (8, 0):
         raise SettingError("model.attn_type=varlen needs FlashAttention: a CUDA GPU of capability >= 8.0; use flex")
@@ -366,7 +380,7 @@ def _validate_attention(attn_type: str, device: str) -> None:
         raise SettingError("model.attn_type=flex_flash needs a CUDA GPU of capability >= 9.0 (Hopper); use flex")
     if attn_type == "flex_flash" and not importable(FLASH_PACKAGES["FA4"]):  # no registry wheel in the pinned set
         raise SettingError("model.attn_type=flex_flash needs flash-attn-4 (FA4's CuTe kernels), which is not "
-                         "installed; use flex")
+                           "installed; use flex")
 
 
 def importable(module: str) -> bool:

@@ -59,7 +59,7 @@ def load_model_dir(path: str) -> str:
         return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
     except Exception as error:  # offline, no such repo, gated: say which setting, in one line
         raise SettingError(f"model.path={path} is no local dir and could not be downloaded from the hub "
-                         f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+                           f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
 
 
 class NoOpDataLoader(BaseDataLoader):

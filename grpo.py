@@ -22,6 +22,27 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_adv_by_std: bo
     return (centered / (std + epsilon) if norm_adv_by_std else centered).view(-1)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (verl `compute_rloo_outcome_advantage`): each reward minus the mean of its group's other rewards,
+    (n r_i - sum_group) / (n - 1); a group of one keeps its reward."""
+    grouped = rewards.view(-1, group_size).float()
+    if group_size == 1:
+        return grouped.view(-1)
+    return ((group_size * grouped - grouped.sum(-1, keepdim=True)) / (group_size - 1)).view(-1)
+
+
+ADVANTAGE_ESTIMATORS = {  # algorithm.adv_estimator, verl's names: (rewards [N], group size, algorithm) -> [N]
+    "grpo": lambda rewards, n, algo: group_advantages(rewards, n, algo.norm_adv_by_std, algo.adv_epsilon),
+    "rloo": lambda rewards, n, algo: rloo_advantages(rewards, n),
+}
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer: int, factor: float):
+    """DAPO's overlong reward shaping (verl `reward_model.overlong_buffer`), added to each reward: linear from 0 at
+    max_response_length - buffer tokens to -factor at the limit: min(-(len - (max - buffer)) / buffer * factor, 0)."""
+    return (-(response_lengths.float() - (max_response_length - buffer)) / buffer * factor).clamp(max=0.0)
+
+
 def token_weights(response_lengths: torch.Tensor, mode: str, global_tokens: float, global_seqs: float,
                   max_response_length: int) -> torch.Tensor:
     """Weight of each response token in the aggregated loss, for verl's `loss_agg_mode`.
@@ -57,6 +78,32 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     clipped = loss_clipped > loss_unclipped
     clipped_lower = (loss_ppo > -advantages * clip_ratio_c) & negative
     return loss, clipped, clipped_lower, -log_ratio
+
+
+def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     lengths: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float):
+    """GSPO (verl `compute_policy_loss_gspo`, arXiv 2507.18071): one ratio per response, the geometric mean of its
+    tokens' ratios s = exp(mean log(pi / pi_old)), clipped to [1 - low, 1 + high], no dual clip; each token carries
+    sg[s] pi_t / sg[pi_t] (its gradient is the token's own). `lengths` [S] split the flat tokens into responses."""
+    log_ratio = logprobs - old_logprobs
+    response = torch.repeat_interleave(torch.arange(len(lengths), device=logprobs.device), lengths.to(logprobs.device),
+                                       output_size=len(logprobs))
+    mean_log_ratio = log_ratio.detach().new_zeros(len(lengths)).index_add(0, response, log_ratio.detach())
+    mean_log_ratio = mean_log_ratio / lengths.to(logprobs.device).clamp(min=1)
+    ratio = torch.exp((logprobs - logprobs.detach() + mean_log_ratio[response]).clamp(max=10.0))
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    no_dual_clip = torch.zeros_like(ratio, dtype=torch.bool)
+    return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped, no_dual_clip, -log_ratio
+
+
+POLICY_LOSSES = {  # algorithm.loss_mode, verl's names: (logprobs, old, advantages, lengths, algorithm) -> policy_loss's
+    "vanilla": lambda lp, old, adv, lengths, algo: policy_loss(lp, old, adv, algo.clip_ratio_low, algo.clip_ratio_high,
+                                                               algo.clip_ratio_c),
+    "gspo": lambda lp, old, adv, lengths, algo: gspo_policy_loss(lp, old, adv, lengths, algo.clip_ratio_low,
+                                                                 algo.clip_ratio_high),
+}
+LOSS_AGG_MODE_OF = {"gspo": "seq-mean-token-mean"}  # verl aggregates GSPO per response, whatever loss_agg_mode says
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -96,17 +143,16 @@ def rollout_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor)
 
 
 def grpo_token_loss(logprobs, old_logprobs, advantages, weights, algo, entropy=None, ref_logprobs=None,
-                    rollout_logprobs=None, token_share: float | None = None):
+                    rollout_logprobs=None, token_share: float | None = None, lengths: torch.Tensor | None = None):
     """The weighted GRPO loss of one micro-batch (a scalar) and its metrics.
 
     `weights` are per-token loss weights (they carry loss_agg_mode); `token_share` is 1 / the
-    mini-batch's response tokens (default: token-mean weights). Summed over every micro-batch and
-    DP rank, the loss, pg_loss, entropy and kl_loss are aggregated like the loss (verl), while
-    pg_clipfrac(_lower) and ppo_kl are token means under every mode (verl's meaning: a fraction).
+    mini-batch's response tokens (default: token-mean weights); `lengths` [S] split the tokens into responses
+    (GSPO needs them). Summed over every micro-batch and DP rank, the loss, pg_loss, entropy and kl_loss are
+    aggregated like the loss (verl), while pg_clipfrac(_lower) and ppo_kl are token means under every mode.
     """
-    pg, clipped, clipped_lower, approx_kl = policy_loss(
-        logprobs, old_logprobs, advantages, algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c
-    )
+    pg, clipped, clipped_lower, approx_kl = POLICY_LOSSES[algo.loss_mode](logprobs, old_logprobs, advantages, lengths,
+                                                                         algo)
     if algo.tis_cap is not None and rollout_logprobs is not None:
         pg = pg * truncated_is_weights(old_logprobs, rollout_logprobs, algo.tis_cap)
     loss = (weights * pg).sum()

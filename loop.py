@@ -85,17 +85,18 @@ def build_run(cfg: Config) -> Run:
 
 def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
     """One GRPO step: generate -> score -> group advantages -> old log-probs -> update -> weight sync."""
-    engine, sampler, n = run.engine, run.sampler, cfg.rollout.n
+    engine, sampler, a = run.engine, run.sampler, cfg.algorithm
     timings, t0 = {}, time.perf_counter()
-    prompts = run.train_set.batch(step, cfg.data.train_batch_size)[engine.dp_rank::engine.dp_size]
-    rollout = generate(sampler, engine, [ids for ids, _ in prompts], n, seed=step_seed(cfg, step, engine),
-                       logprob_samples=rollout_logprob_samples(cfg))
+    rollout, rewards, metrics = sample_groups(cfg, step, run)
     sampler.sleep()  # vLLM's memory goes to the update until the sync
     timings["gen"] = time.perf_counter() - t0
 
-    rewards = score(cfg, run, rollout.response_ids, [truth for _, truth in prompts for _ in range(n)])
-    a = cfg.algorithm
-    advantages = grpo.group_advantages(torch.tensor(rewards), n, a.norm_adv_by_std, a.adv_epsilon).tolist()
+    if a.overlong_buffer_len:
+        lengths = torch.tensor([len(r) for r in rollout.response_ids])
+        penalty = grpo.overlong_penalty(lengths, cfg.data.max_response_length, a.overlong_buffer_len,
+                                        a.overlong_penalty_factor)
+        rewards = (torch.tensor(rewards) + penalty).tolist()
+    advantages = grpo.ADVANTAGE_ESTIMATORS[a.adv_estimator](torch.tensor(rewards), cfg.rollout.n, a).tolist()
     samples = [Sample(prompt, response, logprobs, advantage) for prompt, response, logprobs, advantage in
                zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs, advantages)]
 
@@ -104,7 +105,7 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
     timings["old_log_prob"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    metrics = update_actor(cfg, engine, samples)
+    metrics.update(update_actor(cfg, engine, samples))
     timings["update_actor"] = time.perf_counter() - t
 
     timings["update_weights"] = sampler.sync_weights()
@@ -116,6 +117,39 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the phases of a step
+def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float], dict[str, float]]:
+    """This rank's share of the step's groups (n responses per prompt) and their task scores. With
+    algorithm.filter_groups (DAPO's dynamic sampling) only groups whose scores differ are kept, from as many
+    generation batches as it takes every DP rank to hold train_batch_size / DP of them; generation batch g of a
+    step is prompt slot (step - 1) x max_num_gen_batches + g of the shuffled order, so a resume redraws the same."""
+    engine, n, a = run.engine, cfg.rollout.n, cfg.algorithm
+    wanted, batches = cfg.data.train_batch_size // engine.dp_size, a.max_num_gen_batches if a.filter_groups else 1
+    kept, scores, generated = Rollout([], [], [], []), [], 0
+    for batch in range(batches):
+        slot = (step - 1) * batches + batch + 1
+        prompts = run.train_set.batch(slot, cfg.data.train_batch_size)[engine.dp_rank::engine.dp_size]
+        rollout = generate(run.sampler, engine, [ids for ids, _ in prompts], n, seed=step_seed(cfg, slot, engine),
+                           logprob_samples=rollout_logprob_samples(cfg))
+        new = score(cfg, run, rollout.response_ids, [truth for _, truth in prompts for _ in range(n)])
+        if not a.filter_groups:
+            return rollout, new, {}
+        for g in range(len(prompts)):  # verl keeps a group of one too: it has no spread to judge
+            if n == 1 or len(set(new[g * n:(g + 1) * n])) > 1:
+                for name, values in vars(rollout).items():
+                    getattr(kept, name).extend(values[g * n:(g + 1) * n])
+                scores.extend(new[g * n:(g + 1) * n])
+        generated += len(prompts)
+        held = int(engine.dp_all_reduce(torch.tensor([len(scores) // n]), dist.ReduceOp.MIN).item())  # every rank's
+        if held >= wanted:
+            break
+    else:
+        raise SettingError(f"algorithm.max_num_gen_batches={batches}: step {step} found {held} of {wanted} groups "
+                           "whose rewards differ on a rank; raise it (or check that the task's rewards vary)")
+    groups, generated = engine.dp_all_reduce(torch.tensor([len(scores) / n, generated])).tolist()
+    metrics = {"train/num_gen_batches": batch + 1, "train/kept_group_ratio": groups / generated}
+    return Rollout(*(values[:wanted * n] for values in vars(kept).values())), scores[:wanted * n], metrics
+
+
 def generate(sampler: Sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
              logprob_samples: int | None = None) -> Rollout:
     """n responses per prompt from the sampler; TP / CP peers all get their first peer's (they train on it)."""
@@ -315,8 +349,8 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
 
     def loss_fn(members, logprobs, entropies):
         lengths = torch.tensor([len(s.response_ids) for s in members])
-        per_seq = grpo.token_weights(lengths, cfg.algorithm.loss_agg_mode, global_tokens, global_seqs,
-                                     cfg.data.max_response_length)
+        mode = grpo.LOSS_AGG_MODE_OF.get(cfg.algorithm.loss_mode, cfg.algorithm.loss_agg_mode)
+        per_seq = grpo.token_weights(lengths, mode, global_tokens, global_seqs, cfg.data.max_response_length)
         current = torch.cat(logprobs)
         host = {  # per response token, built on the host and copied to the device at once
             "weights": per_seq.float().repeat_interleave(lengths),
@@ -332,7 +366,7 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
         old = on_device.get("old", current.detach())  # on-policy (one update per batch): old == current
         return grpo.grpo_token_loss(current, old, on_device["advantages"], on_device["weights"], cfg.algorithm,
                                     torch.cat(entropies), on_device.get("ref"), on_device.get("rollout"),
-                                    token_share=1.0 / global_tokens)
+                                    token_share=1.0 / global_tokens, lengths=lengths)
 
     return loss_fn
 

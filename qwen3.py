@@ -46,8 +46,9 @@ def training_flops(model: Qwen3Model.Config, parameters: int, sequence_lengths: 
     """FLOPs of one forward + backward: 6 N T + 6 L h d sum(len^2) (causal attention); N without the embedding."""
     attention = model.layers[0].attention
     embedding = model.vocab_size * model.dim if not model.enable_weight_tying else 0
-    dense = 6.0 * (parameters - embedding) * sum(sequence_lengths)
-    return dense + 6.0 * len(model.layers) * attention.n_heads * attention.head_dim * sum(n * n for n in sequence_lengths)
+    attended = sum(n * n for n in sequence_lengths)
+    return 6.0 * (parameters - embedding) * sum(sequence_lengths) + 6.0 * len(model.layers) * attention.n_heads * \
+        attention.head_dim * attended
 
 
 class DenseMaskAttention(FlexAttention):

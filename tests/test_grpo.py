@@ -118,7 +118,7 @@ def test_loss_aggregation_is_split_invariant(mode):
 
 
 def test_grpo_token_loss_adds_kl_and_entropy():
-    algo = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tis_cap=None,
+    algo = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tis_cap=None, loss_mode="vanilla",
                            entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1")
     lp, old, ref = torch.randn(6), torch.randn(6), torch.randn(6)
     adv, weights, entropy = torch.randn(6), torch.full((6,), 1 / 6), torch.rand(6)
@@ -135,7 +135,7 @@ def test_clipfrac_and_ppo_kl_are_token_means_under_every_mode(mode):
     """Summed over micro-batches, pg_clipfrac is the fraction of clipped tokens and ppo_kl the token mean of
     old - new log-prob, whatever loss_agg_mode weights the loss with (float64 reference)."""
     algo = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tis_cap=None,
-                           entropy_coeff=0.0, use_kl_loss=False)
+                           entropy_coeff=0.0, use_kl_loss=False, loss_mode="vanilla")
     lengths = [3, 7, 1, 5]
     tokens, seqs = float(sum(lengths)), float(len(lengths))
     lp, old = torch.randn(int(tokens), dtype=torch.float64), torch.randn(int(tokens), dtype=torch.float64)
@@ -154,3 +154,87 @@ def test_clipfrac_and_ppo_kl_are_token_means_under_every_mode(mode):
     assert 0 < totals["actor/pg_clipfrac"] < 1
     assert totals["actor/pg_clipfrac"] == pytest.approx(clipped.double().mean().item(), rel=1e-12)
     assert totals["actor/ppo_kl"] == pytest.approx((old - lp).mean().item(), rel=1e-9)
+
+
+def verl_gspo(lp, old, adv, mask, low, high):
+    """verl's compute_policy_loss_gspo on a padded [S, L] batch, transcribed: (pg_loss, pg_clipfrac, ppo_kl)."""
+    negative_approx_kl = lp - old
+    seq_lengths = mask.sum(-1).clamp(min=1)
+    negative_approx_kl_seq = (negative_approx_kl * mask).sum(-1) / seq_lengths
+    log_seq_importance_ratio = (lp - lp.detach() + negative_approx_kl_seq.detach()[:, None]).clamp(max=10.0)
+    seq_importance_ratio = torch.exp(log_seq_importance_ratio)
+    pg_losses1 = -adv * seq_importance_ratio
+    pg_losses2 = -adv * seq_importance_ratio.clamp(1 - low, 1 + high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_loss = ((pg_losses * mask).sum(-1) / seq_lengths).mean()  # agg_loss(..., "seq-mean-token-mean")
+    clipfrac = ((pg_losses2 > pg_losses1).double() * mask).sum() / mask.sum()
+    return pg_loss, clipfrac, (-negative_approx_kl * mask).sum() / mask.sum()
+
+
+def test_gspo_equals_verls_formula_in_value_and_gradient():
+    """The flat-token GSPO loss, with the seq-mean-token-mean weights it is aggregated by and split into two
+    micro-batches, equals verl's padded-batch formula: loss, clip fraction, ppo_kl and the gradient (float64)."""
+    lengths = [3, 7, 1, 5, 4]
+    algo = SimpleNamespace(clip_ratio_low=3e-4, clip_ratio_high=4e-4, clip_ratio_c=3.0, tis_cap=None, loss_mode="gspo",
+                           entropy_coeff=0.0, use_kl_loss=False)
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    lp_padded = torch.randn(mask.shape, dtype=torch.float64) * 0.01 - 1.0
+    offsets = torch.tensor([1e-3, -1e-3, 1e-4, 2e-3, -2e-3], dtype=torch.float64)[:, None]  # mean log-ratio per response
+    old_padded = lp_padded - offsets + torch.randn(mask.shape, dtype=torch.float64) * 1e-5
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5], dtype=torch.float64)  # the first two clip, the rest do not
+    lp_padded.requires_grad_(True)
+    want, want_clipfrac, want_kl = verl_gspo(lp_padded, old_padded, adv[:, None], mask, 3e-4, 4e-4)
+    want.backward()
+    flat = [(i, t) for i, n in enumerate(lengths) for t in range(n)]
+    lp = torch.tensor([lp_padded[i, t].item() for i, t in flat], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([old_padded[i, t].item() for i, t in flat], dtype=torch.float64)
+    assert grpo.LOSS_AGG_MODE_OF["gspo"] == "seq-mean-token-mean"  # token_weights' own test covers that mode
+    total, clipfrac, kl, start = 0.0, 0.0, 0.0, 0
+    for part in ([0, 1], [2, 3, 4]):
+        part_lengths = torch.tensor([lengths[i] for i in part])
+        window = slice(start, start + int(part_lengths.sum()))
+        weights = 1.0 / (part_lengths.double() * len(lengths))  # seq-mean-token-mean, in float64
+        loss, metrics = grpo.grpo_token_loss(lp[window], old[window], adv[part].repeat_interleave(part_lengths),
+                                             weights.repeat_interleave(part_lengths), algo,
+                                             token_share=1 / sum(lengths), lengths=part_lengths)
+        loss.backward()
+        total, start = total + loss.item(), window.stop
+        clipfrac += metrics["actor/pg_clipfrac"].item()
+        kl += metrics["actor/ppo_kl"].item()
+    assert 0 < want_clipfrac < 1
+    assert total == pytest.approx(want.item(), rel=1e-12)
+    assert clipfrac == pytest.approx(want_clipfrac.item(), rel=1e-6)  # the metric is summed in float32
+    assert kl == pytest.approx(want_kl.item(), rel=1e-9)
+    assert torch.allclose(lp.grad, torch.stack([lp_padded.grad[i, t] for i, t in flat]), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 5])
+def test_rloo_equals_verls_formula(group_size):
+    """verl's compute_rloo_outcome_advantage: r * n / (n - 1) - mean * n / (n - 1); a group of one keeps r."""
+    rewards = torch.randint(0, 3, (4 * group_size,)).double()
+    want = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g:g + group_size].tolist()
+        mean, n = (sum(group) / n if (n := len(group)) > 1 else 0.0), len(group)
+        want += [r * n / (n - 1) - mean * n / (n - 1) if n > 1 else r for r in group]
+    algo = SimpleNamespace(norm_adv_by_std=True, adv_epsilon=1e-6)
+    got = grpo.ADVANTAGE_ESTIMATORS["rloo"](rewards, group_size, algo)
+    assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+
+
+def test_grpo_with_groups_of_one_keeps_the_reward():
+    """verl's GRPO gives a group of one mean 0 and std 1: with rollout.n 1 the advantage is the reward itself."""
+    algo = SimpleNamespace(norm_adv_by_std=True, adv_epsilon=1e-6)
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.5])
+    assert torch.allclose(grpo.ADVANTAGE_ESTIMATORS["grpo"](rewards, 1, algo), rewards / (1 + 1e-6))
+
+
+def test_overlong_penalty_equals_dapos_reward_shaping():
+    """verl's DAPO reward manager: exceed = len - (max - buffer); reward += min(-exceed / buffer * factor, 0)."""
+    lengths, max_len, buffer, factor = torch.arange(0, 257), 256, 64, 1.5
+    want = [min(-(n - (max_len - buffer)) / buffer * factor, 0.0) for n in lengths.tolist()]
+    got = grpo.overlong_penalty(lengths, max_len, buffer, factor)
+    assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert got[192].item() == 0.0 and got[256].item() == pytest.approx(-1.5)

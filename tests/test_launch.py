@@ -37,3 +37,11 @@ def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
     assert [r["step"] for r in multi] == [r["step"] for r in single] == [1]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
         assert multi[0][key] == pytest.approx(single[0][key], rel=1e-6, abs=1e-9), key
+
+
+def test_a_bad_setting_stops_run_sh_with_one_line_before_it_starts_the_processes(tmp_path):
+    """FSDP_SIZE=2 on CPU: run.sh checks the settings once (config.py) before torchrun would start two processes."""
+    env = {**os.environ, "PYTHON": sys.executable, "NUM_GPUS": "0", "FSDP_SIZE": "2", "OUTPUT_DIR": str(tmp_path)}
+    result = subprocess.run(["bash", "run.sh", "--rollout.n", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 2 and result.stderr == "titan-grpo: rollout.n=0 must be >= 1\n", result.stderr

@@ -237,3 +237,59 @@ def test_a_bad_setting_is_one_line_on_stderr_and_exit_2():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--rollout.n", "0"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2 and result.stderr == "titan-grpo: rollout.n=0 must be >= 1\n", result.stderr
+
+
+class Prompts:
+    """A prompt stream whose slot s holds prompts s*100, s*100+1, ... (the id is the answer)."""
+
+    def batch(self, slot, size):
+        return [([slot * 100 + i], str(slot * 100 + i)) for i in range(size)]
+
+
+class EchoSampler:
+    """Each prompt's first response is its id (right), the others id + 1 for odd ids (wrong), the id for even ones."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, n, greedy=False, seed=0, logprob_samples=None):
+        from rollout import Rollout
+
+        self.calls.append(seed)
+        responses = [[p[0] + (r > 0 and p[0] % 2)] for p in prompt_ids for r in range(n)]
+        return Rollout([p for p in prompt_ids for _ in range(n)], responses, [None] * len(responses),
+                       ["stop"] * len(responses))
+
+
+def dynamic_sampling_run(train_set):
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(dp_rank=0, dp_size=1, dp_all_reduce=lambda t, op=None: t,
+                             parallel_dims=SimpleNamespace(get_optional_mesh=lambda name: None))
+    task = SimpleNamespace(score=lambda text, truth, **settings: float(text == truth))
+    tokenizer = SimpleNamespace(batch_decode=lambda ids, **_: [str(i[0]) for i in ids])
+    return SimpleNamespace(engine=engine, sampler=EchoSampler(), train_set=train_set, task=task, tokenizer=tokenizer)
+
+
+def test_dynamic_sampling_keeps_only_mixed_groups_until_the_batch_is_full():
+    """filter_groups: each generation batch is a fixed prompt slot of the step (resumable), only groups whose rewards
+    differ are kept, the batch holds exactly train_batch_size groups, and the metrics count the batches and the
+    kept share. Without a mixed group within max_num_gen_batches the step stops with one line naming it."""
+    import loop
+    from config import SettingError, parse_cli
+
+    cfg = parse_cli(["--algorithm.filter_groups", "True", "--algorithm.max_num_gen_batches", "3", "--rollout.n", "3",
+                     "--data.train_batch_size", "6", "--actor.ppo_mini_batch_size", "6"])
+    run = dynamic_sampling_run(Prompts())  # every other group (odd ids) has mixed rewards
+    rollout, scores, metrics = loop.sample_groups(cfg, 2, run)
+    ids = [p[0] for p in rollout.prompt_ids[::3]]
+    assert ids == [401, 403, 405, 501, 503, 505]  # step 2 starts at slot (2 - 1) x 3 + 1 = 4, odd ids only
+    assert len(rollout.response_ids) == len(scores) == 18 and scores[:3] == [1.0, 0.0, 0.0]
+    assert all(len(set(scores[g:g + 3])) > 1 for g in range(0, 18, 3))
+    assert metrics == {"train/num_gen_batches": 2, "train/kept_group_ratio": 0.5}
+    again = dynamic_sampling_run(Prompts())
+    assert loop.sample_groups(cfg, 2, again)[0] == rollout and again.sampler.calls == run.sampler.calls
+    agreeing = dynamic_sampling_run(Prompts())
+    agreeing.train_set.batch = lambda slot, size: [([2 * i], str(2 * i)) for i in range(size)]  # all rewards agree
+    with pytest.raises(SettingError, match="algorithm.max_num_gen_batches=3: step 1 found 0 of 6 groups"):
+        loop.sample_groups(cfg, 1, agreeing)
