@@ -87,9 +87,8 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     p, o = cfg.parallelism, cfg.optimizer
-    optimizer_steps = cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * (
-        cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    )
+    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    optimizer_steps = cfg.trainer.total_training_steps * cfg.actor.ppo_epochs * mini_batches
     return Trainer.Config(
         model_spec=load_plugin("model.family", cfg.model.family).model_spec(hf_config, cfg.model.attn_type),
         hf_assets_path=model_dir,
@@ -120,12 +119,10 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
             keep_latest_k=cfg.checkpoint.keep_latest_k,
             initial_load_path=None if cfg.model.random_init else model_dir,
             initial_load_in_hf=not cfg.model.random_init, initial_load_model_only=True,
-            last_save_model_only=True, last_save_in_hf=True, export_dtype="float32",
-            load_only=False,
+            last_save_model_only=True, last_save_in_hf=True, export_dtype="float32", load_only=False,
         ),
-        activation_checkpoint={"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[
-            cfg.activation_checkpoint.mode
-        ],
+        activation_checkpoint={"selective": SelectiveAC.Config, "full": FullAC.Config, "none": lambda: None}[
+            cfg.activation_checkpoint.mode](),
         compile=CompileConfig(enable=cfg.compile.enable, components=["model"]),
         debug=DebugConfig(seed=cfg.trainer.seed, enable_structured_logging=False),
     )
