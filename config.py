@@ -265,7 +265,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_ranges(cfg)
     if p.pipeline_parallel_degree > 1:
         raise UnsupportedSetting("parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not implemented "
-                                  "in titan-grpo; use FSDP/TP/CP/EP (set it to 1)")
+                                 "in titan-grpo; use FSDP/TP/CP/EP (set it to 1)")
     dp = p.data_parallel_replicate_degree * dp_shard_degree(p, world_size)
     model_parallel = p.tensor_parallel_degree * p.context_parallel_degree
     if dp * model_parallel != world_size:

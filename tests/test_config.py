@@ -46,11 +46,26 @@ GOOD = ["--model.attn_type", "sdpa", "--trainer.device", "cpu", "--model.path", 
     (["--parallelism.data_parallel_shard_degree", "2", "--actor.ppo_mini_batch_size", "3",
       "--data.train_batch_size", "6"], 2, "ppo_mini_batch_size=3 prompts do not split over 2"),
     (["--trainer.output_dir", "/etc/hostname/run"], 1, "trainer.output_dir=/etc/hostname/run cannot be written"),
+    (["--algorithm.loss_mode", "ppo"], 1, "algorithm.loss_mode='ppo' is unknown; use one of ('vanilla', 'gspo')"),
+    (["--algorithm.adv_estimator", "gae"], 1, "algorithm.adv_estimator='gae' is unknown; use one of ('grpo', 'rloo')"),
+    (["--algorithm.max_num_gen_batches", "0"], 1, "algorithm.max_num_gen_batches=0 must be >= 1"),
+    (["--algorithm.overlong_buffer_len", "256"], 1, "overlong_buffer_len=256 must be smaller than data.max_response"),
 ])
 def test_bad_input_message(flags, world, message):
     cfg = parse_cli(GOOD + flags)
     with pytest.raises((ValueError, NotImplementedError), match=re.escape(message)):
         validate(cfg, world)
+
+
+@pytest.mark.parametrize("task,message", [
+    ("nosuchtask", "data.task=nosuchtask cannot be loaded"),
+    ("tiny", "data.task=tiny lacks load_problems, build_prompt, score, VAL_METRIC, Settings"),
+])
+def test_a_bad_task_module_is_named_before_anything_is_built(task, message):
+    from config import SettingError
+
+    with pytest.raises(SettingError, match=message):
+        parse_cli(GOOD + ["--data.task", task])
 
 
 @pytest.mark.skipif(TORCH_2_14, reason="this env has torch >= 2.14")
