@@ -115,7 +115,7 @@ class MetricsLog:
 
 
 def log(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
         print(message, flush=True)
 
 
@@ -144,7 +144,7 @@ def lock_output_dir(output_dir: str) -> None:
 def quiet_known_noise() -> None:
     """Silence third-party lines that read as failures but are not (set once, at the entry point)."""
     logging.getLogger().addFilter(lambda record: not record.getMessage().startswith(KNOWN_NOISE))  # torchtitan's logger
-    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+    warnings.filterwarnings("ignore", message="DTensor .* may not have complete support on cpu")  # random ops, seed
 
 
 KNOWN_NOISE = (

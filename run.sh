@@ -39,6 +39,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0  # vLLM's engine in the trainer's proces
 launch() {  # one process: loop.py itself; several: check the settings once (one line, exit 2 if bad), then start them
   if [ $(( NPROC * NNODES )) -eq 1 ]; then exec "$PY" loop.py "$@"; fi
   WORLD_SIZE=$(( NPROC * NNODES )) "$PY" config.py "$@" || exit 2
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # torchrun's own default, set here so that it prints no banner about it
   exec "$PY" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node="$NPROC" loop.py "$@"
 }
 
