@@ -29,7 +29,7 @@ KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", 
 FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each kernel set
 PLUGIN_API = {  # what a task module and a model-family module provide (README: "Fork it")
     "data.task": ("load_problems", "build_prompt", "score", "VAL_METRIC", "Settings"),
-    "model.family": ("MODEL_TYPES", "model_spec", "training_flops"),
+    "model.family": ("MODEL_TYPES", "model_spec", "training_flops", "LORA_TARGETS"),
 }
 
 
@@ -48,6 +48,9 @@ class ModelConfig:
     attn_type: str = "flex"  # flex | flex_flash (Hopper+) | varlen (FlashAttention) | sdpa (dense mask, CPU)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (FSDP mixed precision)
     random_init: bool = False  # skip loading safetensors, keep torchtitan's random init (benchmarks)
+    lora_rank: int = 0  # LoRA rank (verl's name); 0: off (all weights train). torchtitan's LoRAConverter
+    lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha / rank x B A (verl default)
+    target_modules: tuple[str, ...] = ("all-linear",)  # HF linear names (q_proj ... down_proj) or all-linear
 
 
 @dataclass
@@ -285,7 +288,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_attention(cfg.model.attn_type, device)
     if device == "cuda" and not torch.cuda.is_available():
         raise SettingError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
-    _validate_model_dir(cfg.model.path, load_plugin("model.family", cfg.model.family).MODEL_TYPES)
+    family = load_plugin("model.family", cfg.model.family)
+    _validate_model_dir(cfg.model.path, family.MODEL_TYPES)
+    lora_targets(cfg.model, family.LORA_TARGETS)
     if cfg.algorithm.overlong_buffer_len >= cfg.data.max_response_length:
         raise SettingError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be smaller than "
                            f"data.max_response_length={cfg.data.max_response_length}")
@@ -328,6 +333,8 @@ RANGES = (
     ("rollout.temperature", lambda v: v > 0, "> 0 (GRPO samples a group; validation is greedy already)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("rollout.gpu_memory_utilization", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("model.lora_rank", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("model.lora_alpha", lambda v: v > 0, "> 0"),
     ("optimizer.lr", lambda v: v >= 0, ">= 0"),
     ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
     ("actor.max_norm", lambda v: v > 0, "> 0"),
@@ -359,6 +366,20 @@ def _validate_ranges(cfg: Config) -> None:
     for name, valid, wanted in RANGES:
         if not valid(_setting(cfg, name)):
             raise SettingError(f"{name}={_setting(cfg, name)} must be {wanted}")
+
+
+def lora_targets(model: ModelConfig, names: dict[str, str]) -> list[str]:
+    """The torchtitan linears that model.target_modules names (`names`: HF name -> torchtitan name)."""
+    wanted = set(names) if "all-linear" in model.target_modules else set(model.target_modules)
+    unknown = wanted - set(names)
+    if unknown:
+        raise SettingError(f"model.target_modules has {sorted(unknown)}; use all-linear or names of {sorted(names)}")
+    for fused in {t for t in names.values() if list(names.values()).count(t) > 1}:  # one torchtitan linear, several HF
+        sharing = sorted(hf for hf, t in names.items() if t == fused)
+        if 0 < len(wanted & set(sharing)) < len(sharing):
+            raise SettingError(f"model.target_modules: {', '.join(sharing)} are one fused linear in torchtitan; "
+                               "name all of them or none")
+    return sorted({names[hf] for hf in wanted})
 
 
 def _validate_output_dir(path: str) -> None:

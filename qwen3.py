@@ -1,6 +1,6 @@
 """HF Qwen3 / Qwen3-MoE `config.json` -> torchtitan model: a model-family module (`--model.family`), the file a
 fork copies for another model. Its interface: `MODEL_TYPES`, `model_spec(hf_config, attn_type)` (torchtitan's
-ModelSpec) and `training_flops(model_config, parameters, sequence_lengths)`.
+ModelSpec), `training_flops(model_config, parameters, sequence_lengths)` and `LORA_TARGETS`.
 
 torchtitan's Qwen3 builders and `Qwen3StateDictAdapter` do the work; the module swaps below make torchtitan 0.3.0
 compute what HF computes (`DenseMaskAttention` for CPU, `ExpertsInInputDtype`, MoE without the load-balancing bias)
@@ -33,6 +33,9 @@ from torchtitan.tools.utils import get_cuda_flash_attention_impl
 from config import FLASH_PACKAGES, importable
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
+# model.target_modules: HF linear name -> torchtitan's (q/k/v are one fused linear; MoE experts are no Linear)
+LORA_TARGETS = {"q_proj": "wqkv", "k_proj": "wqkv", "v_proj": "wqkv", "o_proj": "wo", "gate_proj": "w1",
+                "up_proj": "w3", "down_proj": "w2"}
 
 
 def model_spec(hf: dict, attn_type: str) -> ModelSpec:

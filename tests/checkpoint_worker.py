@@ -2,9 +2,10 @@
 the test compares.
 
     python tests/checkpoint_worker.py parity OUT.pt MODEL_DIR            # engine vs HF log-probs and entropy
-    python tests/checkpoint_worker.py first OUT.pt MODEL_DIR RUN_DIR     # step, save, step, export
-    python tests/checkpoint_worker.py resume OUT.pt MODEL_DIR RUN_DIR    # load the checkpoint, one step
-    python tests/checkpoint_worker.py hf OUT.pt EXPORT_DIR               # HF log-probs of the export
+    python tests/checkpoint_worker.py first OUT.pt MODEL_DIR RUN_DIR [FLAGS]   # step, save, step, export
+    python tests/checkpoint_worker.py resume OUT.pt MODEL_DIR RUN_DIR [FLAGS]  # load the checkpoint, one step
+    python tests/checkpoint_worker.py hf OUT.pt EXPORT_DIR                     # HF log-probs of the export
+    python tests/checkpoint_worker.py peft OUT.pt MODEL_DIR ADAPTER_DIR        # same, base + PEFT adapter
 """
 
 import os
@@ -58,8 +59,8 @@ def one_step(engine, seqs) -> float:
     return loss.item()
 
 
-def first(out: str, model_dir: str, run_dir: str) -> dict:
-    engine = build_engine(model_dir, run_dir, "--optimizer.lr", "1e-2")
+def first(out: str, model_dir: str, run_dir: str, *flags: str) -> dict:
+    engine = build_engine(model_dir, run_dir, "--optimizer.lr", "1e-2", *flags)
     seqs = fixed_batch(engine.trainer.model_config.vocab_size)
     losses = [one_step(engine, seqs)]
     engine.save_checkpoint(1)
@@ -69,8 +70,8 @@ def first(out: str, model_dir: str, run_dir: str) -> dict:
     return {"losses": losses, "final": final, "export": engine.export_hf(2)}
 
 
-def resume(out: str, model_dir: str, run_dir: str) -> dict:
-    engine = build_engine(model_dir, run_dir, "--optimizer.lr", "1e-2")
+def resume(out: str, model_dir: str, run_dir: str, *flags: str) -> dict:
+    engine = build_engine(model_dir, run_dir, "--optimizer.lr", "1e-2", *flags)
     return {"loaded_step": engine.loaded_step, "loss": one_step(engine, fixed_batch(engine.trainer.model_config.vocab_size))}
 
 
@@ -81,6 +82,14 @@ def hf(out: str, export_dir: str) -> dict:
     return {"logprobs": hf_logprobs(model, fixed_batch(model.config.vocab_size))[0]}
 
 
+def peft(out: str, model_dir: str, adapter_dir: str) -> dict:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir)
+    return {"logprobs": hf_logprobs(model, fixed_batch(model.config.vocab_size))[0]}
+
+
 if __name__ == "__main__":
     case, out, *args = sys.argv[1:]
-    torch.save({"parity": parity, "first": first, "resume": resume, "hf": hf}[case](out, *args), out)
+    torch.save({"parity": parity, "first": first, "resume": resume, "hf": hf, "peft": peft}[case](out, *args), out)

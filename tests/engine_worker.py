@@ -13,7 +13,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import parse_cli  # noqa: E402
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack  # noqa: E402
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, full_tensor, pack  # noqa: E402
+from torchtitan.components.checkpointer.utils import canonical_fqn  # noqa: E402
 
 
 ENTROPY_COEF = float(os.environ.get("ENTROPY_COEF", "0.1"))
@@ -43,6 +44,9 @@ def main():
     total_tokens = sum(len(s) - 1 for s in seqs)
     mine = seqs[engine.dp_rank::engine.dp_size]
     result = {"loss": [], "grad_norm": []}
+    with engine.eval_mode():
+        result["initial_logprobs"] = engine.forward(*packed(seqs), temperature=0.9)[0].cpu()
+    before = parameters(engine)
     with engine.train_mode():
         for _ in range(2):
             loss_sum = torch.zeros((), device=engine.device)
@@ -57,14 +61,23 @@ def main():
     with engine.eval_mode():
         result["logprobs"] = engine.forward(*packed(seqs), temperature=0.9)[0].cpu()
         result["full_logits"] = engine.full_logits(*packed(seqs)[:2]).float().cpu()
+    after = parameters(engine)
+    result["changed"] = sorted(name for name in before if not torch.equal(before[name], after[name]))
+    optimized = {id(p) for group in engine.optimizers.optimizers[0].param_groups for p in group["params"]}
+    result["optimized"] = sorted(canonical_fqn(n) for n, p in engine.model.named_parameters() if id(p) in optimized)
     masters = {id(p) for group in engine.optimizers.optimizers[0].param_groups for p in group["params"]}
-    result["masters_registered"] = {id(p) for p in engine.model.parameters()} == masters  # not gathered copies
+    result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights
         torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def parameters(engine):
+    """Every parameter, whole, by its canonical name."""
+    return {canonical_fqn(name): full_tensor(p.detach()).cpu().clone() for name, p in engine.model.named_parameters()}
 
 
 if __name__ == "__main__":

@@ -252,3 +252,57 @@ def test_checkpoint_resume_and_hf_export(dense_dir, tmp_path):
     assert resumed["loss"] == pytest.approx(first["losses"][1], rel=1e-6)
     hf = checkpoint_worker("hf", tmp_path / "hf.pt", first["export"])
     assert torch.allclose(hf["logprobs"], first["final"], atol=1e-5)
+
+
+LORA = ["--model.lora_rank", "4", "--model.lora_alpha", "8"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(dense_dir, backend, tmp_path_factory):
+    return torchrun(1, tmp_path_factory.mktemp("lora") / f"one_{backend}.pt", dense_dir, *LORA, backend=backend)
+
+
+def test_lora_starts_as_the_base_model_and_trains_only_its_adapters(reference, lora_reference):
+    """B = 0 at initialisation: the base model's log-probs exactly; the optimizer holds the adapters (A and B of
+    every linear but lm_head: 2 layers x 5), and after two steps they alone changed."""
+    assert (lora_reference["initial_logprobs"] - reference["initial_logprobs"]).abs().max() < 1e-6
+    optimized = lora_reference["optimized"]
+    assert len(optimized) == 20 and all(name.endswith((".lora_a.weight", ".lora_b.weight")) for name in optimized)
+    assert lora_reference["changed"] == optimized
+    assert lora_reference["loss"][1] < lora_reference["loss"][0]
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2_tp2"])
+def test_lora_parallel_layout_matches_one_process(layout, backend, dense_dir, lora_reference, tmp_path):
+    nproc, flags = LAYOUTS[layout]
+    got = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags, *LORA, backend=backend)
+    assert got["loss"] == pytest.approx(lora_reference["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(lora_reference["grad_norm"], rel=1e-5)
+    assert got["changed"] == lora_reference["changed"]
+    for name, tensor in lora_reference["weights"].items():  # merged
+        assert torch.allclose(got["weights"][name], tensor, atol=5e-4), name
+
+
+def test_lora_merged_weights_are_what_the_engine_computes(dense_dir, lora_reference, tmp_path):
+    """HF transformers holding the exported merged weights (W + alpha / rank x B A; B's rows of the fused q/k/v
+    linear split as the base weight's) gives the engine's log-probs after two steps."""
+    want = hf_logprobs_with(dense_dir, lora_reference["weights"], tmp_path / "hf")
+    assert (lora_reference["logprobs"] - want).abs().max() < 1e-5
+
+
+def test_lora_checkpoint_resume_and_exports(dense_dir, tmp_path):
+    """LoRA: the checkpoint holds adapters and their optimizer state (the resumed step's loss equal); the merged HF
+    export and the PEFT adapter on the base model (peft's PeftModel) both give the engine's log-probs."""
+    out = tmp_path / "ckpt_run"
+    first = checkpoint_worker("first", tmp_path / "first.pt", dense_dir, out, *LORA)
+    resumed = checkpoint_worker("resume", tmp_path / "resumed.pt", dense_dir, out, *LORA)
+    assert resumed["loaded_step"] == 1 and first["losses"][0] != first["losses"][1]
+    assert resumed["loss"] == pytest.approx(first["losses"][1], rel=1e-6)
+    merged = checkpoint_worker("hf", tmp_path / "hf.pt", first["export"])
+    assert torch.allclose(merged["logprobs"], first["final"], atol=1e-5)
+    adapter = out / "lora" / "step-2"
+    with open(adapter / "adapter_config.json") as f:
+        assert json.load(f)["target_modules"] == sorted(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft = checkpoint_worker("peft", tmp_path / "peft.pt", dense_dir, adapter)
+    assert torch.allclose(peft["logprobs"], first["final"], atol=1e-5)
