@@ -180,6 +180,9 @@ class TrainerConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda when torch sees a GPU
     seed: int = 42  # model init (random_init) and torch RNG
     val_before_train: bool = True  # a step-0 validation row
+    # verl's one-step off-policy recipe: vLLM generates step t+1's groups (from the weights before step t's update)
+    # while step t computes log-probs and updates; needs rollout.free_cache_engine=False
+    one_step_off_policy: bool = False
     logger: tuple[Literal["console", "tensorboard", "wandb"], ...] = ("console",)  # verl's trainer.logger; jsonl always
     project_name: str = "titan-grpo"  # wandb project (verl's name)
     experiment_name: str = "gsm8k_grpo"  # wandb run name; TensorBoard writes to output_dir/tensorboard
@@ -291,6 +294,7 @@ def validate(cfg: Config, world_size: int) -> None:
     family = load_plugin("model.family", cfg.model.family)
     _validate_model_dir(cfg.model.path, family.MODEL_TYPES)
     lora_targets(cfg.model, family.LORA_TARGETS)
+    _validate_one_step_off_policy(cfg)
     if cfg.algorithm.overlong_buffer_len >= cfg.data.max_response_length:
         raise SettingError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be smaller than "
                            f"data.max_response_length={cfg.data.max_response_length}")
@@ -380,6 +384,23 @@ def lora_targets(model: ModelConfig, names: dict[str, str]) -> list[str]:
             raise SettingError(f"model.target_modules: {', '.join(sharing)} are one fused linear in torchtitan; "
                                "name all of them or none")
     return sorted({names[hf] for hf in wanted})
+
+
+def _validate_one_step_off_policy(cfg: Config) -> None:
+    if not cfg.trainer.one_step_off_policy:
+        return
+    clashes = (  # (setting that must change, why)
+        (cfg.rollout.name != "vllm", "rollout.name=vllm", "the native sampler is the trainer's own model"),
+        (cfg.rollout.free_cache_engine, "rollout.free_cache_engine=False", "vLLM generates during the update"),
+        (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size=1",
+         "vLLM's TP collectives would run beside the trainer's"),
+        (cfg.algorithm.filter_groups, "algorithm.filter_groups=False", "dynamic sampling counts groups over ranks"),
+        (cfg.actor.use_rollout_logprobs, "actor.use_rollout_logprobs=False",
+         "the old log-probs are the trainer's before the update"),
+    )
+    for clash, fix, why in clashes:
+        if clash:
+            raise SettingError(f"trainer.one_step_off_policy=True needs {fix} ({why})")
 
 
 def _validate_output_dir(path: str) -> None:

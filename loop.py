@@ -16,6 +16,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ def train(cfg: Config) -> dict[str, float]:
     first = run.engine.loaded_step + 1
     if first > 1:
         log(f"resumed from step {run.engine.loaded_step}")
+        run.ahead.load(checkpoint_folder(run.engine, run.engine.loaded_step))
     if cfg.trainer.val_before_train and first == 1:
         metrics_log.write(0, run_validation(cfg, run))
     metrics = {}
@@ -47,6 +49,7 @@ def train(cfg: Config) -> dict[str, float]:
         metrics_log.write(step, metrics)  # before the checkpoint: a resume from it never lacks this row
         if cfg.checkpoint.save_freq > 0 and (step % cfg.checkpoint.save_freq == 0 or last):  # verl saves the last
             run.engine.save_checkpoint(step)
+            run.ahead.save(checkpoint_folder(run.engine, step))
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
         log(f"exported HF weights to {run.engine.export_hf(cfg.trainer.total_training_steps)}")
     metrics_log.close()
@@ -66,6 +69,7 @@ class Run:
     train_set: PromptSet
     val_set: PromptSet
     sampler: Sampler
+    ahead: AheadRollout  # trainer.one_step_off_policy: the next step's groups (unused otherwise)
 
 
 def build_run(cfg: Config) -> Run:
@@ -80,15 +84,21 @@ def build_run(cfg: Config) -> Run:
     engine = TorchTitanEngineWithLMHead(cfg)
     ref_engine = build_reference(cfg) if cfg.algorithm.use_kl_loss else None
     sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))  # holds the trainer's weights
-    return Run(engine, ref_engine, task, tokenizer, train_set, val_set, sampler)
+    return Run(engine, ref_engine, task, tokenizer, train_set, val_set, sampler, AheadRollout())
 
 
 def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
-    """One GRPO step: generate -> score -> group advantages -> old log-probs -> update -> weight sync."""
+    """One GRPO step: generate -> score -> group advantages -> old log-probs -> update -> weight sync. With
+    trainer.one_step_off_policy the step trains on groups generated during the previous step (from the weights
+    before that step's update) and generates the next step's beside its own log-probs and update."""
     engine, sampler, a = run.engine, run.sampler, cfg.algorithm
     timings, t0 = {}, time.perf_counter()
-    rollout, rewards, metrics = sample_groups(cfg, step, run)
-    sampler.sleep()  # vLLM's memory goes to the update until the sync
+    if cfg.trainer.one_step_off_policy:
+        (rollout, rewards), metrics = run.ahead.take(cfg, step, run), {}
+        metrics["rollout/staleness"] = float(run.ahead.staleness)
+    else:
+        rollout, rewards, metrics = sample_groups(cfg, step, run)
+        sampler.sleep()  # vLLM's memory goes to the update until the sync
     timings["gen"] = time.perf_counter() - t0
 
     if a.overlong_buffer_len:
@@ -108,6 +118,8 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
     metrics.update(update_actor(cfg, engine, samples))
     timings["update_actor"] = time.perf_counter() - t
 
+    if cfg.trainer.one_step_off_policy:  # the next step's groups must be drawn before vLLM takes the new weights
+        timings["wait_rollout"], timings["gen_ahead"] = run.ahead.wait()
     timings["update_weights"] = sampler.sync_weights()
     timings["step"] = time.perf_counter() - t0
     metrics.update(rollout_metrics(engine, samples, rollout, rewards))
@@ -126,19 +138,15 @@ def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float
     wanted, batches = cfg.data.train_batch_size // engine.dp_size, a.max_num_gen_batches if a.filter_groups else 1
     kept, scores, generated = Rollout([], [], [], []), [], 0
     for batch in range(batches):
-        slot = (step - 1) * batches + batch + 1
-        prompts = run.train_set.batch(slot, cfg.data.train_batch_size)[engine.dp_rank::engine.dp_size]
-        rollout = generate(run.sampler, engine, [ids for ids, _ in prompts], n, seed=step_seed(cfg, slot, engine),
-                           logprob_samples=rollout_logprob_samples(cfg))
-        new = score(cfg, run, rollout.response_ids, [truth for _, truth in prompts for _ in range(n)])
+        rollout, new = share_within_model_parallel(engine, local_groups(cfg, (step - 1) * batches + batch + 1, run))
         if not a.filter_groups:
             return rollout, new, {}
-        for g in range(len(prompts)):  # verl keeps a group of one too: it has no spread to judge
+        for g in range(len(new) // n):  # verl keeps a group of one too: it has no spread to judge
             if n == 1 or len(set(new[g * n:(g + 1) * n])) > 1:
                 for name, values in vars(rollout).items():
                     getattr(kept, name).extend(values[g * n:(g + 1) * n])
                 scores.extend(new[g * n:(g + 1) * n])
-        generated += len(prompts)
+        generated += len(new) // n
         held = int(engine.dp_all_reduce(torch.tensor([len(scores) // n]), dist.ReduceOp.MIN).item())  # every rank's
         if held >= wanted:
             break
@@ -148,6 +156,68 @@ def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float
     groups, generated = engine.dp_all_reduce(torch.tensor([len(scores) / n, generated])).tolist()
     metrics = {"train/num_gen_batches": batch + 1, "train/kept_group_ratio": groups / generated}
     return Rollout(*(values[:wanted * n] for values in vars(kept).values())), scores[:wanted * n], metrics
+
+
+def local_groups(cfg: Config, slot: int, run: Run) -> tuple[Rollout, list[float]]:
+    """This rank's prompts of a prompt slot, n responses each and their task scores (no collective: it may run
+    beside the update)."""
+    prompts = run.train_set.batch(slot, cfg.data.train_batch_size)[run.engine.dp_rank::run.engine.dp_size]
+    rollout = run.sampler.generate([ids for ids, _ in prompts], cfg.rollout.n, seed=step_seed(cfg, slot, run.engine),
+                                   logprob_samples=rollout_logprob_samples(cfg))
+    return rollout, score(cfg, run, rollout.response_ids, [truth for _, truth in prompts for _ in range(cfg.rollout.n)])
+
+
+class AheadRollout:
+    """trainer.one_step_off_policy: the next step's groups, generated by a background thread (vLLM's in-process
+    engine on its own CUDA stream) from the weights vLLM holds while this step computes log-probs and updates.
+    A checkpoint keeps the finished next batch: a resume trains on what the uninterrupted run would."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self.running, self.ready, self.staleness = None, None, 0
+
+    def take(self, cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float]]:
+        """This step's groups (generated now at the first step, or a resume without a saved batch), shared with the
+        model-parallel peers; starts the next step's generation."""
+        self.staleness = 0 if self.ready is None else 1  # updates between the drawing weights and this step's
+        groups, self.ready = self.ready or local_groups(cfg, step, run), None
+        if step < cfg.trainer.total_training_steps:
+            self.running = self.pool.submit(beside_the_trainer, run.engine, local_groups, cfg, step + 1, run)
+        return share_within_model_parallel(run.engine, groups)
+
+    def wait(self) -> tuple[float, float]:
+        """Wait for the next step's groups; (seconds waited, seconds the generation took)."""
+        if self.running is None:
+            return 0.0, 0.0
+        start = time.perf_counter()
+        self.ready, generation_s = self.running.result()
+        self.running = None
+        return time.perf_counter() - start, generation_s
+
+    def save(self, folder: str) -> None:
+        if self.ready is not None:
+            torch.save(self.ready, os.path.join(folder, f"next_groups_rank{dist.get_rank()}.pt"))
+
+    def load(self, folder: str) -> None:
+        path = os.path.join(folder, f"next_groups_rank{dist.get_rank()}.pt")
+        self.ready = torch.load(path, weights_only=False) if os.path.isfile(path) else None
+
+
+def beside_the_trainer(engine, fn, *args):
+    """fn(*args) and its wall seconds, on this thread's own CUDA stream (the trainer's kernels run on the default
+    stream; kernels of two streams can run at once)."""
+    start = time.perf_counter()
+    if engine.device_type != "cuda":
+        return fn(*args), time.perf_counter() - start
+    torch.cuda.set_device(engine.device)  # a new thread starts on device 0
+    with torch.cuda.stream(torch.cuda.Stream()):
+        result = fn(*args)
+    torch.cuda.current_stream().synchronize()
+    return result, time.perf_counter() - start
+
+
+def checkpoint_folder(engine, step: int) -> str:
+    return os.path.join(engine.checkpointer.folder, f"step-{step}")
 
 
 def generate(sampler: Sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
@@ -169,27 +239,29 @@ def step_seed(cfg: Config, step: int, engine) -> int:
     return cfg.rollout.seed * 1_000_003 + step * 1009 + engine.dp_rank * 17
 
 
-def share_within_model_parallel(engine, rollout: Rollout) -> Rollout:
-    """TP and CP peers train on the same data: take the first peer's rollout."""
+def share_within_model_parallel(engine, data):
+    """TP and CP peers train on the same data: take the first peer's (a rollout, or groups with their scores)."""
     for name in ("tp", "cp"):
         mesh = engine.parallel_dims.get_optional_mesh(name)
         if mesh is not None and mesh.size() > 1:
-            box = [rollout]
+            box = [data]
             dist.broadcast_object_list(box, group_src=0, group=mesh.get_group())
-            rollout = box[0]
-    return rollout
+            data = box[0]
+    return data
 
 
 def on_policy(cfg) -> bool:
-    """One update per batch: the old log-probs are the current ones (the loss takes current.detach())."""
-    return cfg.actor.ppo_epochs == 1 and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
+    """One update per batch from fresh samples: the old log-probs are the current ones (the loss takes
+    current.detach())."""
+    one_update = cfg.actor.ppo_epochs == 1 and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
+    return one_update and not cfg.trainer.one_step_off_policy
 
 
 def rollout_logprob_samples(cfg) -> int:
-    """How many of each prompt's n responses need the sampler's log-probs: all where the loss uses them, the
-    first one for the mismatch metric (enough for a mean, and vLLM's cost of returning them falls ~n-fold),
-    none on-policy, where that metric has no old log-probs to compare with."""
-    if cfg.actor.use_rollout_logprobs or cfg.algorithm.tis_cap is not None:
+    """How many of each prompt's n responses need the sampler's log-probs: all where the loss uses them or the
+    samples are a step old (one-step off-policy), the first one for the mismatch metric (enough for a mean, and
+    vLLM's cost of returning them falls ~n-fold), none on-policy, where that metric has no old log-probs."""
+    if cfg.actor.use_rollout_logprobs or cfg.algorithm.tis_cap is not None or cfg.trainer.one_step_off_policy:
         return cfg.rollout.n
     return 0 if on_policy(cfg) else 1
 

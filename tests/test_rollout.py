@@ -16,11 +16,13 @@ def model_dir(tmp_path_factory):
     return make_tiny_qwen3(str(tmp_path_factory.mktemp("rollout")), layers=2, hidden=128, heads=2, kv_heads=1)  # vLLM CPU: head_dim 64
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["default", "prefix_caching"])
-def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path, prefix_caching):
+@pytest.mark.parametrize("flags", [[], ["--rollout.enable_prefix_caching", "True"], ["--model.lora_rank", "4"]],
+                         ids=["default", "prefix_caching", "lora"])
+def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path, flags):
     """One process: n responses per prompt, consecutive, ending at EOS or the length limit; log-probs as the engine's
-    (with prefix caching, also after a sync on a prompt whose KV block vLLM cached before it)."""
-    assert_rollout_worker_matches(model_dir, tmp_path, ["--rollout.enable_prefix_caching", str(prefix_caching)], nproc=1)
+    (with prefix caching, also after a sync on a prompt whose KV block vLLM cached before it; with LoRA, vLLM takes
+    the merged weights)."""
+    assert_rollout_worker_matches(model_dir, tmp_path, flags, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,9 @@ def moe_model_dir(tmp_path_factory):  # Qwen3-MoE, 4 experts top-2
     ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
     ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
      "--rollout.tensor_parallel_size", "2"],
-], ids=["fsdp2", "tp2", "tp2_rollout_tp2"])
+    ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+     "--model.lora_rank", "4"],
+], ids=["fsdp2", "tp2", "tp2_rollout_tp2", "tp2_lora"])
 def test_vllm_on_every_rank_matches_engine_before_and_after_sync(tp_model_dir, tmp_path, layout):
     """torchrun, 2 processes: each rank's vLLM (or one vLLM TP group) samples what the trainer computes."""
     assert_rollout_worker_matches(tp_model_dir, tmp_path, layout)
