@@ -3,6 +3,7 @@
     python bench.py --out bench.json              # the update table in benchmarks/ (one GPU, random init, bf16)
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
     python bench.py --profile --trace t.json.gz   # the first case profiled; `python bench_trace.py t.json.gz` sums it
+    python bench.py --lora-ranks 0,32 [--shape 8b] --out lora.json   # the recipe's update without and with LoRA
 
 The loop end to end with vLLM is `bench_e2e.py`.
 
@@ -35,6 +36,10 @@ QWEN3_0P6B = dict(  # Qwen/Qwen3-0.6B config.json (shapes only; weights are rand
     max_position_embeddings=40960, rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True,
     hidden_act="silu", attention_bias=False,
 )
+QWEN3_8B = dict(  # Qwen/Qwen3-8B config.json (shapes only)
+    QWEN3_0P6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, tie_word_embeddings=False,
+)
 TINY = dict(QWEN3_0P6B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
@@ -52,9 +57,11 @@ def gsm8k_like_samples(count: int, vocab: int, seed: int = 0) -> list[Sample]:
     return samples
 
 
-def bench_config(model_dir: str, out_dir: str, attn: str, compile_: bool, ac: str, budget: int, device: str) -> Config:
+def bench_config(model_dir: str, out_dir: str, attn: str, compile_: bool, ac: str, budget: int, device: str,
+                 lora: int = 0) -> Config:
     cfg = Config()
     cfg.model.path, cfg.model.random_init, cfg.model.attn_type = model_dir, True, attn
+    cfg.model.lora_rank, cfg.model.lora_alpha = lora, 2.0 * lora or 16.0
     cfg.model.dtype = "bfloat16" if device == "cuda" else "float32"
     cfg.compile.enable, cfg.activation_checkpoint.mode = compile_, ac
     cfg.actor.max_tokens_per_micro_batch = budget
@@ -141,14 +148,19 @@ def run_engine_case(case: dict, model_dir: str, samples, args, extras: bool) -> 
     """One torchtitan configuration: update time, tokens/s, MFU, peak memory (+ log-prob, export, rollout)."""
     reset_memory(args.device)
     out_dir = tempfile.mkdtemp(prefix="bench_")
-    cfg = bench_config(model_dir, out_dir, case["attn"], case["compile"], case["ac"], case["budget"], args.device)
+    cfg = bench_config(model_dir, out_dir, case["attn"], case["compile"], case["ac"], case["budget"], args.device,
+                       case.get("lora", 0))
     engine = TorchTitanEngineWithLMHead(cfg)
     tokens = sum(len(s.tokens) for s in samples)
     warmup = 2 if case["compile"] else 1
     seconds = time_update(engine, cfg, samples, warmup, args.steps, args.device)
-    flops = engine.training_flops([len(s.tokens) for s in samples])
+    flops = engine.training_flops([len(s.tokens) for s in samples])  # LoRA: the same FLOPs counted (MFU comparable)
     row = dict(case, seconds=seconds, tokens_per_s=tokens / seconds,
                mfu=flops / seconds / peak_flops(args.device), peak_memory_gb=peak_memory_gb(args.device))
+    with Timer(args.device) as t:  # what the sync exports (LoRA: merged), in the rollout's dtype
+        for _ in engine.export_hf_weights(dtype=torch.bfloat16 if args.device == "cuda" else None):
+            pass
+    row["export_s"] = t.seconds
     if args.profile and extras:
         row["profile"] = profile_update(engine, cfg, samples, args)
     if extras:
@@ -290,8 +302,11 @@ def _hf_micro_batch_loss(model, members, global_tokens, cfg, dtype, device, grpo
     return loss
 
 
-def cases(quick: bool) -> list[dict]:
+def cases(quick: bool, lora_ranks: list[int] | None = None) -> list[dict]:
     """The configurations measured, most important first (a timeout keeps the first rows)."""
+    if lora_ranks is not None:  # the recipe's update (or the quick one) at each rank
+        base = cases(quick)[1] if quick else dict(attn="flex", compile=True, ac="selective", budget=16384)
+        return [dict(base, lora=rank) for rank in lora_ranks]
     if quick:
         return [dict(attn="sdpa", compile=False, ac="none", budget=2048),
                 dict(attn="sdpa", compile=False, ac="selective", budget=2048)]
@@ -304,14 +319,16 @@ def cases(quick: bool) -> list[dict]:
 
 
 def print_table(rows: list[dict], hf: dict) -> None:
-    print(f"\n{'attn':<11}{'compile':<8}{'AC':<10}{'budget':>7}{'tok/s':>10}{'MFU':>7}{'x HF':>6}{'mem GB':>8}")
+    print(f"\n{'attn':<11}{'compile':<8}{'AC':<10}{'budget':>7}{'LoRA':>5}{'tok/s':>10}{'MFU':>7}{'x HF':>6}"
+          f"{'mem GB':>8}{'export s':>9}")
     for r in rows:
+        head = f"{r['attn']:<11}{str(r['compile']):<8}{r['ac']:<10}{r['budget']:>7}{r.get('lora', 0):>5}"
         if "error" in r:
-            print(f"{r['attn']:<11}{str(r['compile']):<8}{r['ac']:<10}{r['budget']:>7}  error: {r['error'][:80]}")
+            print(f"{head}  error: {r['error'][:80]}")
             continue
         ratio = r["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else float("nan")
-        print(f"{r['attn']:<11}{str(r['compile']):<8}{r['ac']:<10}{r['budget']:>7}{r['tokens_per_s']:>10.0f}"
-              f"{r['mfu']:>7.1%}{ratio:>6.2f}{r['peak_memory_gb']:>8.1f}")
+        print(f"{head}{r['tokens_per_s']:>10.0f}{r['mfu']:>7.1%}{ratio:>6.2f}{r['peak_memory_gb']:>8.1f}"
+              f"{r['export_s']:>9.3f}")
     if hf.get("tokens_per_s"):
         print(f"{'HF sdpa':<11}{'-':<8}{'none':<10}{hf['budget']:>7}{hf['tokens_per_s']:>10.0f}{hf['mfu']:>7.1%}"
               f"{1.0:>6.2f}{hf['peak_memory_gb']:>8.1f}")
@@ -329,8 +346,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="profile one update of the first case")
     parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
+    parser.add_argument("--lora-ranks", default=None, help="comma-separated LoRA ranks (0: off) of the recipe's update; "
+                        "no HF baseline, no extras")
+    parser.add_argument("--shape", choices=("0.6b", "8b"), default="0.6b", help="Qwen3 shapes (random weights)")
     args = parser.parse_args()
     args.device = "cpu" if args.quick else "cuda"
+    args.lora_ranks = [int(r) for r in args.lora_ranks.split(",")] if args.lora_ranks else None
     if args.quick:
         args.sequences, args.steps, args.rollout_prompts, args.rollout_tokens = 8, 1, 2, 4
     return args
@@ -344,22 +365,25 @@ def main() -> None:
 
         cpu.use_cpu_device()
         init_process_group("cpu")
-    hf_config = TINY if args.quick else QWEN3_0P6B
+    hf_config = TINY if args.quick else {"0.6b": QWEN3_0P6B, "8b": QWEN3_8B}[args.shape]
     model_dir = write_model_dir(tempfile.mkdtemp(prefix="bench_model_"), hf_config, "digits", seed=None)
     samples = gsm8k_like_samples(args.sequences, hf_config["vocab_size"])
     tokens = sum(len(s.tokens) for s in samples)
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "sequences": len(samples), "tokens_per_update": tokens,
-              "peak_tflops": peak_flops(args.device) / 1e12, "rows": [], "hf": hf_baseline(args, hf_config, samples)}
+              "peak_tflops": peak_flops(args.device) / 1e12, "rows": [], "shape": args.shape,
+              "hf": {} if args.lora_ranks else hf_baseline(args, hf_config, samples)}
     print(f"{report['device']}: {len(samples)} sequences, {tokens} tokens per update", flush=True)
     save(report, args.out)
-    all_cases = cases(args.quick)
+    all_cases = cases(args.quick, args.lora_ranks)
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(all_cases))
     for index in chosen:
-        report["rows"].append(measure_case(all_cases[index], model_dir, samples, args, extras=index == chosen[0]))
+        extras = index == chosen[0] and not args.lora_ranks
+        report["rows"].append(measure_case(all_cases[index], model_dir, samples, args, extras))
         save(report, args.out)
     hf, first = report["hf"], next((row for row in report["rows"] if "seconds" in row), None)
-    hf["mfu"] = first["mfu"] * first["seconds"] / hf["seconds"] if first else float("nan")  # same useful FLOPs
+    if hf:
+        hf["mfu"] = first["mfu"] * first["seconds"] / hf["seconds"] if first else float("nan")  # same useful FLOPs
     print_table(report["rows"], hf)
     save(report, args.out)
 

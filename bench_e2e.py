@@ -3,6 +3,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes): every response runs to th
 
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
+    python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
 (`--profile`: the host's own time in one more generate by file and function, from cProfile).
@@ -13,6 +14,7 @@ import dataclasses
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,12 +42,13 @@ class ClockedSampler:
 
 
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
+OFF_POLICY_PHASES = ("gen", "gen_ahead", "old_log_prob", "update_actor", "wait_rollout", "update_weights", "step")
 
 
 def e2e(args, loop_flags: list[str]) -> dict:
-    """GRPO steps of the loop with its sampler, then, on the last step's prompts, vLLM alone
-    (no log-probs, no detokenization, one seed: the least the engine can do) and the loop's
-    generate, and the weight sync in parts."""
+    """GRPO steps of the loop with its sampler, then (unless --steps-only) on the last step's prompts vLLM alone
+    (no log-probs, no detokenization, one seed: the least the engine can do) and the loop's generate, and the
+    weight sync in parts."""
     cfg = parse_cli(["--model.path", args.model_dir, "--model.random_init", "True", *loop_flags])
     run = loop.build_run(cfg)
     clocked = dataclasses.replace(run, sampler=ClockedSampler(run.sampler))
@@ -57,6 +60,9 @@ def e2e(args, loop_flags: list[str]) -> dict:
         report["steps"].append({"step": step, **metrics, "unfrozen_objects": unfrozen, **clock.report("gen_")})
         print(" ".join(f"{k}={metrics[f'timing_s/{k}']:.2f}" for k in PHASES) + f" gen: collector "
               f"{sum(clock.seconds):.2f} s {clock.runs}, CPU {clock.cpu_s:.1f} s; unfrozen {unfrozen}", flush=True)
+    if args.steps_only:
+        run.sampler.close()
+        return report
     prompts = [ids for ids, _ in run.train_set.batch(args.steps, cfg.data.train_batch_size)]
     report["rollout"] = rollout_reference(cfg, run.sampler, prompts, args.device)
     if args.profile:
@@ -161,12 +167,42 @@ def sync_parts(engine, sampler, device: str) -> dict:
     return parts
 
 
-def print_e2e(report: dict) -> None:
-    print(f"\n{'step':<6}" + "".join(f"{p:>16}" for p in PHASES) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}")
-    for row in report["steps"]:
-        print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>16.2f}" for p in PHASES)
+def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
+    print(f"\n{'step':<6}" + "".join(f"{p:>15}" for p in phases) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}")
+    for row in rows:
+        print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>15.2f}" for p in phases)
               + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
               f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}")
+
+
+def compare_off_policy(args, loop_flags: list[str]) -> dict:
+    """The steps synchronous and with trainer.one_step_off_policy (same prompts and seeds), each in a fresh process
+    of this script; the mean step after the first (which compiles, and which the off-policy mode generates
+    synchronously) of each, and their ratio."""
+    modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True"]}
+    report = {}
+    for mode, flags in modes.items():
+        out = tempfile.mkdtemp(prefix=f"bench_e2e_{mode}_")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--steps-only",
+                        "--model-dir", args.model_dir, "--out", f"{out}/e2e.json", *(["--quick"] if args.quick else []),
+                        "--", *loop_flags, "--rollout.free_cache_engine", "False", *flags,
+                        "--trainer.output_dir", f"{out}/run"], check=True)
+        with open(f"{out}/e2e.json") as f:
+            report[mode] = json.load(f)
+        rows = report[mode]["steps"]
+        report[mode]["mean_step_s"] = sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1)
+    for mode in modes:
+        print(f"\n{mode}:", end="")
+        print_steps(report[mode]["steps"], OFF_POLICY_PHASES if modes[mode] else PHASES)
+    sync_s, off_s = (report[mode]["mean_step_s"] for mode in modes)
+    report["ratio"] = off_s / sync_s
+    print(f"one-step off-policy: step {off_s:.2f} s against {sync_s:.2f} s synchronous (mean of steps 2-{args.steps}):"
+          f" {off_s / sync_s:.2f}x")
+    return report
+
+
+def print_e2e(report: dict) -> None:
+    print_steps(report["steps"], PHASES)
     r, s = report["rollout"], report["sync"]
     mean = {kind: sum(r[f"{kind}_s"]) / len(r[f"{kind}_s"]) for kind in ("alone", "alone_logprobs", "loop")}
     paired = sorted(loop / alone for loop, alone in zip(r["loop_s"], r["alone_s"]))  # round by round: host drift cancels
@@ -194,6 +230,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model on CPU")
     parser.add_argument("--profile", action="store_true", help="the host side of one more generate (cProfile)")
     parser.add_argument("--model-dir", default=None, help="where to write the Qwen3-0.6B-shaped model dir")
+    parser.add_argument("--one-step-off-policy", action="store_true",
+                        help="the steps synchronous and one-step off-policy, each in its own process, and their ratio")
+    parser.add_argument("--steps-only", action="store_true", help="no vLLM reference rounds, no sync parts")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, loop_flags = parser.parse_args(argv[:split]), argv[split + 1:]
@@ -201,7 +240,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as loop.main: vLLM's engine in this process
     shapes = QUICK if args.quick else QWEN3_0P6B
     args.model_dir = write_model_dir(args.model_dir or tempfile.mkdtemp(prefix="bench_model_"), shapes, "qwen3", None)
-    report = e2e(args, loop_flags)
+    report = compare_off_policy(args, loop_flags) if args.one_step_off_policy else e2e(args, loop_flags)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

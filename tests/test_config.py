@@ -50,6 +50,17 @@ GOOD = ["--model.attn_type", "sdpa", "--trainer.device", "cpu", "--model.path", 
     (["--algorithm.adv_estimator", "gae"], 1, "algorithm.adv_estimator='gae' is unknown; use one of ('grpo', 'rloo')"),
     (["--algorithm.max_num_gen_batches", "0"], 1, "algorithm.max_num_gen_batches=0 must be >= 1"),
     (["--algorithm.overlong_buffer_len", "256"], 1, "overlong_buffer_len=256 must be smaller than data.max_response"),
+    (["--model.lora_rank", "-1"], 1, "model.lora_rank=-1 must be >= 0 (0: off)"),
+    (["--model.lora_rank", "8", "--model.target_modules", "q_proj", "o_proj"], 1,
+     "k_proj, q_proj, v_proj are one fused linear in torchtitan; name all of them or none"),
+    (["--model.lora_rank", "8", "--model.target_modules", "lm_head"], 1,
+     "model.target_modules has ['lm_head']; use all-linear or names of"),
+    (["--trainer.one_step_off_policy", "True"], 1, "one_step_off_policy=True needs rollout.free_cache_engine=False"),
+    (["--trainer.one_step_off_policy", "True", "--rollout.name", "native"], 1, "needs rollout.name=vllm"),
+    (["--trainer.one_step_off_policy", "True", "--rollout.free_cache_engine", "False", "--algorithm.filter_groups",
+      "True"], 1, "needs algorithm.filter_groups=False"),
+    (["--trainer.one_step_off_policy", "True", "--rollout.free_cache_engine", "False", "--actor.use_rollout_logprobs",
+      "True"], 1, "needs actor.use_rollout_logprobs=False"),
 ])
 def test_bad_input_message(flags, world, message):
     cfg = parse_cli(GOOD + flags)
