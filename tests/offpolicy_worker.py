@@ -71,6 +71,7 @@ def main():
         for key, k in (("drawn_by", max(step - 2, 0)), ("step_start", step - 1)):
             result[key].append(largest_difference(run.engine, samples, weights[k], cfg.rollout.temperature))
         result["staleness"].append(metrics["rollout/staleness"])
+    result["responses"] = [rollout.response_ids for rollout, _ in taken]
     result["seeds"] = seeds
     result["step_seeds"] = [loop.step_seed(cfg, step, run.engine) for step in range(1, STEPS + 1)]
     result["left_running"] = run.ahead.running is not None or run.ahead.ready is not None
