@@ -2,7 +2,7 @@
 saves what the test compares.
 
     python tests/sampler_worker.py native OUT.pt MODEL_DIR    # greedy vs HF generate; sampled log-probs vs engine
-    python tests/sampler_worker.py export OUT.pt MODEL_DIR    # after one step: chat template, HF vs vLLM greedy
+    python tests/sampler_worker.py export OUT.pt MODEL_DIR [FLAGS]  # after one step: chat template, HF vs vLLM greedy
 """
 
 import os
@@ -35,10 +35,12 @@ def native(engine, sampler, model_dir: str) -> dict:
 
 
 def export(engine, sampler, model_dir: str) -> dict:
-    """After one step, the export's chat-templated prompt greedy-decoded by HF and by vLLM (CPU)."""
+    """After one step, the export's chat-templated prompt greedy-decoded by HF and by vLLM (CPU); with LoRA also by
+    vLLM's own LoRA path: the base model with the PEFT adapter."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     train_one_step(engine)
     path = engine.export_hf(1)
@@ -47,18 +49,29 @@ def export(engine, sampler, model_dir: str) -> dict:
     prompt = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=-1)[0, len(prompt):]
+    greedy = dict(prompts=[TokensPrompt(prompt_token_ids=prompt)],
+                  sampling_params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    rank = engine.cfg.model.lora_rank
+    if rank:  # vLLM's LoRA path first: its own instance, shut down before the merged model's
+        adapter = LLM(model=model_dir, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1,
+                      max_model_len=64, enable_lora=True, max_lora_rank=max(rank, 8))
+        lora_dir = os.path.join(engine.cfg.trainer.output_dir, "lora", "step-1")
+        with_adapter = adapter.generate(**greedy, lora_request=LoRARequest("adapter", 1, lora_dir))
+        adapter.llm_engine.engine_core.shutdown()
     llm = LLM(model=path, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=64)
-    got = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(temperature=0, max_tokens=5,
-                       ignore_eos=True))[0].outputs[0].token_ids
-    return {"served": list(got), "hf": want.tolist()}
+    got = llm.generate(**greedy)[0].outputs[0].token_ids
+    result = {"served": list(got), "hf": want.tolist()}
+    if rank:
+        result["served_with_adapter"] = list(with_adapter[0].outputs[0].token_ids)
+    return result
 
 
 def main():
-    case, out, model_dir = sys.argv[1:4]
+    case, out, model_dir, *flags = sys.argv[1:]
     cfg = parse_cli(["--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32",
                      "--trainer.device", "cpu", "--trainer.output_dir", out + "_run", "--rollout.name", "native",
                      "--data.max_response_length", str(MAX_TOKENS), "--rollout.temperature", str(TEMPERATURE),
-                     "--optimizer.lr", "5e-2"])
+                     "--optimizer.lr", "5e-2", *flags])
     engine = TorchTitanEngineWithLMHead(cfg)
     sampler = build_rollout(cfg, engine, [EOS])
     torch.save({"native": native, "export": export}[case](engine, sampler, model_dir), out)

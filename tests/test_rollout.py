@@ -79,12 +79,16 @@ def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_di
     assert got["mismatch"] < 1e-5
 
 
-def test_hf_export_chats_and_serves_in_vllm(model_dir, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--model.lora_rank", "4"]], ids=["full", "lora"])
+def test_hf_export_chats_and_serves_in_vllm(model_dir, tmp_path, flags):
     """After a training step, the exported dir keeps the chat template, and vLLM (CPU) greedy-decodes it
-    as HF transformers does."""
+    as HF transformers does; with LoRA the merged export does, and so does vLLM's own LoRA path (enable_lora, the
+    base model and the PEFT adapter)."""
     pytest.importorskip("vllm")
-    got = run_sampler_worker("export", model_dir, tmp_path)
+    got = run_sampler_worker("export", model_dir, tmp_path, *flags)
     assert got["served"] == got["hf"]
+    if flags:
+        assert got["served_with_adapter"] == got["hf"]
 
 
 def test_freeze_live_objects_collects_garbage_before_freezing():
@@ -110,9 +114,10 @@ def test_freeze_live_objects_collects_garbage_before_freezing():
         gc.unfreeze()
 
 
-def run_sampler_worker(case, model_dir, tmp_path):
+def run_sampler_worker(case, model_dir, tmp_path, *flags):
     out = tmp_path / f"{case}.pt"
-    return run_worker("sampler_worker.py", out, case, out, model_dir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return run_worker("sampler_worker.py", out, case, out, model_dir, *flags,
+                      env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def test_copy_into_weights_refuses_to_leave_a_parameter_unset():
