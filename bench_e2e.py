@@ -4,6 +4,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes): every response runs to th
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
+    python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's own LoRA path against the merged sync
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
 (`--profile`: the host's own time in one more generate by file and function, from cProfile).
@@ -69,7 +70,11 @@ def e2e(args, loop_flags: list[str]) -> dict:
         report["host_profile"] = host_profile(cfg, run.sampler, prompts)
     report["sync"] = sync_parts(run.engine, run.sampler, args.device)
     print_e2e(report)
-    run.sampler.close()
+    if cfg.model.lora_rank:
+        report["vllm_lora"] = vllm_lora_path(cfg, run, prompts, args.device)  # closes the loop's vLLM first
+        print_vllm_lora(report)
+    else:
+        run.sampler.close()
     return report
 
 
@@ -100,6 +105,53 @@ def rollout_reference(cfg, sampler, prompts, device: str, rounds: int = 3) -> di
             rollout = loop_generate(cfg, sampler, prompts)
         record("loop", timer, clock, sum(len(r) for r in rollout.response_ids))
     return report
+
+
+def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
+    """vLLM's own LoRA path, which the loop's merged sync stands in for: the adapters written in PEFT's layout, then a
+    vLLM with enable_lora (dummy base weights: the speed is the same) generating the prompts as `alone` does, with
+    a new adapter id each round (the load a sync would make included), the same id again, and no adapter."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    folder = tempfile.mkdtemp(prefix="bench_lora_")
+    with Timer(device) as write:
+        run.engine.export_lora_adapter(folder)
+    run.sampler.close()  # one vLLM at a time
+    gc.unfreeze()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    r = cfg.rollout
+    llm = LLM(model=run.engine.model_dir, dtype=run.sampler.dtype, load_format="dummy",
+              gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
+              compilation_config={"max_cudagraph_capture_size": r.max_num_seqs},
+              enforce_eager=r.enforce_eager or device != "cuda",
+              max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+              enable_lora=True, max_lora_rank=max(cfg.model.lora_rank, 8), max_loras=1)
+    params = SamplingParams(n=r.n, temperature=r.temperature, max_tokens=cfg.data.max_response_length,
+                            detokenize=False)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    report = {"adapter_write_s": write.seconds}
+    for i in range(rounds):
+        for kind, adapter in (("new_adapter", LoRARequest(f"round{i}", i + 1, folder)),
+                              ("same_adapter", LoRARequest(f"round{i}", i + 1, folder)), ("no_adapter", None)):
+            with Timer(device) as timer:
+                llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
+            report.setdefault(f"{kind}_s", []).append(timer.seconds)
+    llm.llm_engine.engine_core.shutdown()
+    return report
+
+
+def print_vllm_lora(report: dict) -> None:
+    v, alone = report["vllm_lora"], report["rollout"]["alone_s"]
+    print(f"vLLM's LoRA path: adapter write {v['adapter_write_s']:.3f} s; generate with a new adapter (its load "
+          f"included) {' / '.join(f'{x:.2f}' for x in v['new_adapter_s'])} s, the same adapter "
+          f"{' / '.join(f'{x:.2f}' for x in v['same_adapter_s'])} s, no adapter "
+          f"{' / '.join(f'{x:.2f}' for x in v['no_adapter_s'])} s. The loop's path: merged sync "
+          f"{report['sync']['sync_awake_s']:.3f} s, vLLM alone on the merged weights "
+          f"{' / '.join(f'{x:.2f}' for x in alone)} s")
 
 
 def loop_generate(cfg, sampler, prompts):
