@@ -210,9 +210,10 @@ def beside_the_trainer(engine, fn, *args):
     if engine.device_type != "cuda":
         return fn(*args), time.perf_counter() - start
     torch.cuda.set_device(engine.device)  # a new thread starts on device 0
-    with torch.cuda.stream(torch.cuda.Stream()):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
         result = fn(*args)
-    torch.cuda.current_stream().synchronize()
+    stream.synchronize()  # this stream's work, not the trainer's default stream
     return result, time.perf_counter() - start
 
 

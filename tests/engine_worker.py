@@ -63,9 +63,8 @@ def main():
         result["full_logits"] = engine.full_logits(*packed(seqs)[:2]).float().cpu()
     after = parameters(engine)
     result["changed"] = sorted(name for name in before if not torch.equal(before[name], after[name]))
-    optimized = {id(p) for group in engine.optimizers.optimizers[0].param_groups for p in group["params"]}
-    result["optimized"] = sorted(canonical_fqn(n) for n, p in engine.model.named_parameters() if id(p) in optimized)
     masters = {id(p) for group in engine.optimizers.optimizers[0].param_groups for p in group["params"]}
+    result["optimized"] = sorted(canonical_fqn(n) for n, p in engine.model.named_parameters() if id(p) in masters)
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
