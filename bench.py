@@ -226,7 +226,7 @@ def host_syncs(engine, cfg, samples, device: str) -> dict[str, int]:
 
 def extra_measurements(engine, cfg, samples, args) -> dict:
     """Log-prob forward alone, weight export, native rollout tokens/s, on the given engine."""
-    from rollout import NativeRollout
+    from native import NativeRollout
 
     tokens = sum(len(s.tokens) for s in samples)
     compute_logprobs(engine, samples, cfg.rollout.temperature)

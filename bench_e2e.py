@@ -1,5 +1,5 @@
 """GRPO steps of the loop with vLLM on one GPU, then vLLM alone on the last step's prompts and the weight
-sync in parts. Weights are random (Qwen3-0.6B shapes): every response runs to the length limit.
+sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): every response runs to the limit.
 
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
@@ -23,7 +23,8 @@ import time
 import torch
 
 import loop
-from bench import QWEN3_0P6B, HostClock, Timer
+import lora
+from bench import QWEN3_0P6B, QWEN3_8B, HostClock, Timer
 from config import parse_cli
 from tiny import write_model_dir
 
@@ -117,7 +118,7 @@ def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
 
     folder = tempfile.mkdtemp(prefix="bench_lora_")
     with Timer(device) as write:
-        run.engine.export_lora_adapter(folder)
+        lora.export_adapter(run.engine, folder)
     run.sampler.close()  # one vLLM at a time
     gc.unfreeze()
     gc.collect()
@@ -236,6 +237,7 @@ def compare_off_policy(args, loop_flags: list[str]) -> dict:
     for mode, flags in modes.items():
         out = tempfile.mkdtemp(prefix=f"bench_e2e_{mode}_")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--steps-only",
+                        "--shape", args.shape,
                         "--model-dir", args.model_dir, "--out", f"{out}/e2e.json", *(["--quick"] if args.quick else []),
                         "--", *loop_flags, "--rollout.free_cache_engine", "False", *flags,
                         "--trainer.output_dir", f"{out}/run"], check=True)
@@ -281,7 +283,8 @@ def main() -> None:
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--quick", action="store_true", help="a tiny model on CPU")
     parser.add_argument("--profile", action="store_true", help="the host side of one more generate (cProfile)")
-    parser.add_argument("--model-dir", default=None, help="where to write the Qwen3-0.6B-shaped model dir")
+    parser.add_argument("--model-dir", default=None, help="where to write the Qwen3-shaped model dir")
+    parser.add_argument("--shape", choices=("0.6b", "8b"), default="0.6b", help="Qwen3 shapes (random weights)")
     parser.add_argument("--one-step-off-policy", action="store_true",
                         help="the steps synchronous and one-step off-policy, each in its own process, and their ratio")
     parser.add_argument("--steps-only", action="store_true", help="no vLLM reference rounds, no sync parts")
@@ -290,7 +293,7 @@ def main() -> None:
     args, loop_flags = parser.parse_args(argv[:split]), argv[split + 1:]
     args.device = "cpu" if args.quick else "cuda"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as loop.main: vLLM's engine in this process
-    shapes = QUICK if args.quick else QWEN3_0P6B
+    shapes = QUICK if args.quick else {"0.6b": QWEN3_0P6B, "8b": QWEN3_8B}[args.shape]
     args.model_dir = write_model_dir(args.model_dir or tempfile.mkdtemp(prefix="bench_model_"), shapes, "qwen3", None)
     report = compare_off_policy(args, loop_flags) if args.one_step_off_policy else e2e(args, loop_flags)
     with open(args.out, "w") as f:

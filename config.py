@@ -30,7 +30,12 @@ FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # wh
 PLUGIN_API = {  # what a task module and a model-family module provide (README: "Fork it")
     "data.task": ("load_problems", "build_prompt", "score", "VAL_METRIC", "Settings"),
     "model.family": ("MODEL_TYPES", "model_spec", "training_flops", "LORA_TARGETS"),
+    "rollout.name": ("SAMPLER",),  # a class as rollout.Sampler describes
+    "algorithm.adv_estimator": ("advantages",),  # as grpo.ADVANTAGE_ESTIMATORS's; optional `Settings` (--algorithm.*)
+    "algorithm.loss_mode": ("policy_loss",),  # as grpo.POLICY_LOSSES's; optional `Settings` (--algorithm.*)
 }
+BUILT_IN = {"algorithm.adv_estimator": grpo.ADVANTAGE_ESTIMATORS, "algorithm.loss_mode": grpo.POLICY_LOSSES}
+SAMPLERS = {"vllm": "rollout", "native": "native"}  # built-in rollout.name -> its module
 
 
 class SettingError(ValueError):
@@ -69,7 +74,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm", "native"] = "vllm"  # vllm: colocated engine; native: trainer's own model
+    name: str = "vllm"  # vllm: colocated engine; native: the trainer's own model; or a sampler module / .py path
     n: int = 5  # responses per prompt (GRPO group size)
     temperature: float = 1.0  # sampling temperature (also applied to training log-probs)
     top_p: float = 1.0  # nucleus sampling mass (1.0: off)
@@ -156,8 +161,8 @@ class AlgorithmConfig:
     kl_loss_type: str = "low_var_kl"  # verl's: k1/kl, abs, k2/mse, k3/low_var_kl; "+": k2 gradient (e.g. k3+)
     entropy_coeff: float = 0.0  # entropy bonus weight (verl recipe: 0)
     tis_cap: float | None = None  # truncated importance sampling cap C (rollout vs trainer); None: off
-    adv_estimator: str = "grpo"  # grpo | rloo (verl's algorithm.adv_estimator)
-    loss_mode: str = "vanilla"  # vanilla (PPO clip + dual clip) | gspo (verl's actor.policy_loss.loss_mode)
+    adv_estimator: str = "grpo"  # grpo | rloo (verl's algorithm.adv_estimator) | a module / .py path
+    loss_mode: str = "vanilla"  # vanilla (PPO clip + dual clip) | gspo (verl's policy_loss.loss_mode) | module / .py
     filter_groups: bool = False  # DAPO dynamic sampling: train only on groups whose rewards differ (verl's .enable)
     max_num_gen_batches: int = 10  # generation batches a step may take to fill its batch (verl's filter_groups)
     overlong_buffer_len: int = 0  # DAPO overlong shaping over the last tokens before the limit (verl's len); 0: off
@@ -213,21 +218,53 @@ def parse_cli(args: list[str] | None = None) -> Config:
     """Parse `--section.field value` arguments into a Config; the `reward` section is data.task's Settings."""
     import tyro
 
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # data.task first: it defines --reward.*
-    first.add_argument("--data.task", dest="task", default=DataConfig.task)
-    settings = load_plugin("data.task", first.parse_known_args(args)[0].task).Settings
-    with_task = dataclasses.make_dataclass("Config", [("reward", settings, field(default_factory=settings))],
-                                           bases=(Config,))
-    return tyro.cli(with_task, args=args, config=(tyro.conf.FlagConversionOff,))
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the plug-ins first: they define flags
+    for setting, default in (("data.task", DataConfig.task), ("algorithm.adv_estimator", AlgorithmConfig.adv_estimator),
+                             ("algorithm.loss_mode", AlgorithmConfig.loss_mode)):
+        first.add_argument(f"--{setting}", dest=setting, default=default)
+    named = vars(first.parse_known_args(args)[0])
+    settings = load_plugin("data.task", named["data.task"]).Settings
+    own = [f for setting in BUILT_IN for f in algorithm_settings(setting, named[setting])]
+    algorithm = dataclasses.make_dataclass("AlgorithmConfig", own, bases=(AlgorithmConfig,))
+    with_plugins = dataclasses.make_dataclass("Config", [("reward", settings, field(default_factory=settings)),
+                                                         ("algorithm", algorithm, field(default_factory=algorithm))],
+                                              bases=(Config,))
+    return tyro.cli(with_plugins, args=args, config=(tyro.conf.FlagConversionOff,))
+
+
+def algorithm_settings(setting: str, name: str) -> list[tuple]:
+    """The fields a plug-in estimator or loss declares in its `Settings`, as make_dataclass takes them (none for a
+    built-in or an unknown name: validate names the latter)."""
+    if name in BUILT_IN[setting] or not (name.endswith(".py") or importable(name)):
+        return []
+    settings = getattr(load_plugin(setting, name), "Settings", None)
+    return [(f.name, f.type, field(default=f.default) if f.default is not dataclasses.MISSING
+             else field(default_factory=f.default_factory)) for f in dataclasses.fields(settings)] if settings else []
+
+
+def algorithm_function(setting: str, name: str):
+    """The advantage estimator or policy loss an algorithm setting names: built in (grpo.py) or a plug-in's."""
+    if name in BUILT_IN[setting]:
+        return BUILT_IN[setting][name]
+    return getattr(load_algorithm_plugin(setting, name), PLUGIN_API[setting][0])
+
+
+def load_algorithm_plugin(setting: str, name: str):
+    if not (name.endswith(".py") or importable(name)):
+        raise SettingError(f"{setting}={name!r} is unknown; use one of {tuple(BUILT_IN[setting])} or a module / .py "
+                           f"path providing {PLUGIN_API[setting][0]}")
+    return load_plugin(setting, name)
 
 
 @functools.cache  # one module object per name: a .py file runs once
 def load_plugin(setting: str, name: str):
-    """The module a plug-in setting (data.task, model.family) names: an importable name or a .py file's path."""
+    """The module a plug-in setting (data.task, model.family, rollout.name) names: an importable name or a .py
+    file's path (registered in sys.modules under its file name, as an import would, so that its classes resolve)."""
     try:
         if name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], os.path.abspath(name))
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(name)
@@ -238,6 +275,11 @@ def load_plugin(setting: str, name: str):
         raise SettingError(f"{setting}={name} lacks {', '.join(missing)}; such a module provides "
                            f"{', '.join(PLUGIN_API[setting])}")
     return module
+
+
+def sampler_class(cfg: Config):
+    """The rollout.Sampler class rollout.name names (a built-in name, a module or a .py path)."""
+    return load_plugin("rollout.name", SAMPLERS.get(cfg.rollout.name, cfg.rollout.name)).SAMPLER
 
 
 def resolve_device(cfg: Config) -> str:
@@ -278,7 +320,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SettingError(f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "
                            f"tensor_parallel_degree x context_parallel_degree = {dp * model_parallel} != world size "
                            f"{world_size}; make the product equal the number of processes")
-    if cfg.rollout.name == "vllm" and model_parallel % cfg.rollout.tensor_parallel_size:
+    if sampler_class(cfg).uses_rollout_tp and model_parallel % cfg.rollout.tensor_parallel_size:
         raise SettingError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide "
                            f"tensor_parallel_degree x context_parallel_degree = {model_parallel}: a vLLM TP group must "
                            "hold only ranks that share one batch; set it to a divisor of that product")
@@ -321,8 +363,7 @@ def validate(cfg: Config, world_size: int) -> None:
 CHOICES = (
     ("model.attn_type", ATTN_TYPES), ("activation_checkpoint.mode", AC_MODES),
     ("parallelism.spmd_backend", ("auto",) + SPMD_BACKENDS), ("algorithm.loss_agg_mode", LOSS_AGG_MODES),
-    ("algorithm.kl_loss_type", KL_TYPES), ("algorithm.adv_estimator", tuple(grpo.ADVANTAGE_ESTIMATORS)),
-    ("algorithm.loss_mode", tuple(grpo.POLICY_LOSSES)),
+    ("algorithm.kl_loss_type", KL_TYPES),
 )
 AT_LEAST_ONE = (
     "data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
@@ -361,6 +402,8 @@ def _setting(cfg: Config, name: str):
 
 
 def _validate_ranges(cfg: Config) -> None:
+    for setting in BUILT_IN:
+        algorithm_function(setting, _setting(cfg, setting))
     for name, choices in CHOICES:
         if _setting(cfg, name) not in choices:
             raise SettingError(f"{name}={_setting(cfg, name)!r} is unknown; use one of {choices}")
@@ -390,7 +433,8 @@ def _validate_one_step_off_policy(cfg: Config) -> None:
     if not cfg.trainer.one_step_off_policy:
         return
     clashes = (  # (setting that must change, why)
-        (cfg.rollout.name != "vllm", "rollout.name=vllm", "the native sampler is the trainer's own model"),
+        (not sampler_class(cfg).generates_beside_the_trainer, "rollout.name=vllm",
+         f"rollout.name={cfg.rollout.name} samples with the weights the trainer updates"),
         (cfg.rollout.free_cache_engine, "rollout.free_cache_engine=False", "vLLM generates during the update"),
         (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size=1",
          "vLLM's TP collectives would run beside the trainer's"),

@@ -9,10 +9,8 @@ log-probs and entropy of packed micro-batches (vocab sharded under TP, tokens un
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
-import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -21,11 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.config.configs import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
@@ -35,10 +32,11 @@ from torchtitan.distributed.context_parallel import cp_shard
 from torchtitan.trainer import Trainer
 
 import cpu
+import lora
 from config import (
-    Config, SettingError, dp_shard_degree, load_plugin, lora_targets, resolve_device, resolve_spmd_backend,
+    Config, SettingError, dp_shard_degree, load_plugin, resolve_device, resolve_spmd_backend,
 )
-from logprobs import IGNORE_INDEX, GatherOverCP, token_logprobs, tp_group_and_vocab
+from logprobs import IGNORE_INDEX, GatherOverCP, full_tensor, token_logprobs, tp_group_and_vocab
 
 
 def init_process_group(device: str) -> None:
@@ -97,11 +95,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     family = load_plugin("model.family", cfg.model.family)
     model_spec = family.model_spec(hf_config, cfg.model.attn_type)
     if cfg.model.lora_rank:  # frozen base, trainable adapters; the optimizer takes only the adapters
-        model_spec.model = LoRAConverter.Config(
-            rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha,
-            target_modules=lora_targets(cfg.model, family.LORA_TARGETS),
-        ).build().convert(model_spec.model)
-        model_spec.parallelize_fn = keeping_frozen(model_spec.parallelize_fn)
+        model_spec = lora.convert(model_spec, cfg.model, family.LORA_TARGETS)
     return Trainer.Config(
         model_spec=model_spec,
         hf_assets_path=model_dir,
@@ -140,20 +134,6 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
         compile=CompileConfig(enable=cfg.compile.enable, components=["model"]),
         debug=DebugConfig(seed=cfg.trainer.seed, enable_structured_logging=False),
     )
-
-
-def keeping_frozen(parallelize_fn):
-    """A model spec's parallelize_fn that leaves frozen parameters frozen: torchtitan 0.3.0's spmd_types backend
-    registers each distributed parameter anew, requiring grad (the optimizer would take the LoRA base)."""
-
-    def parallelize(model, **kwargs):
-        frozen = {canonical_fqn(name) for name, p in model.named_parameters() if not p.requires_grad}
-        model = parallelize_fn(model, **kwargs)
-        for name, p in model.named_parameters():
-            p.requires_grad_(canonical_fqn(name) not in frozen)
-        return model
-
-    return parallelize
 
 
 def packed_length_multiple(cfg: Config) -> int:
@@ -198,7 +178,8 @@ class TorchTitanEngine:
         self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         if not self.parallel_dims.fsdp_enabled:  # torchtitan's: the FSDP shard group (dp_shard x cp) is one rank
             self._gather_once_per_block()
-        self._init_lora_a()
+        if cfg.model.lora_rank:
+            lora.init_adapters(self.model, cfg.trainer.seed)
         self.loaded_step = self._load()
 
     def _gather_once_per_block(self) -> None:
@@ -209,21 +190,6 @@ class TorchTitanEngine:
         for module in self.fsdp_modules:
             module.set_reshard_after_forward(False, recurse=False)
             module.set_reshard_after_backward(False, recurse=False)
-
-    def _init_lora_a(self) -> None:
-        """Each LoRA A as PEFT initialises it (kaiming-uniform, B = 0), drawn whole from trainer.seed and the module's
-        name, so that every layout trains the same adapters (torchtitan draws each shard on its own rank)."""
-        for path, module in self.model.named_modules():
-            if hasattr(module, "lora_a"):
-                weight = module.lora_a.weight
-                seed = self.cfg.trainer.seed + zlib.crc32(canonical_fqn(path).encode())
-                whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5),
-                                                       generator=torch.Generator().manual_seed(seed))
-                whole = whole.to(weight.device, weight.dtype)
-                if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
-                    whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
-                with torch.no_grad():
-                    weight.copy_(whole)
 
     def _reshard(self) -> None:
         """Back to the sharded masters (with their grads): before an optimizer step, and at a mode's exit."""
@@ -325,9 +291,8 @@ class TorchTitanEngine:
         """Write the current weights as HF safetensors (+ config, tokenizer); returns the dir. With LoRA: the
         merged weights, and the adapters alone in PEFT's layout in output_dir/lora/step-N."""
         out = os.path.join(self.cfg.trainer.output_dir, "hf", f"step-{step}")
-        if self.cfg.model.lora_rank:  # torchtitan's HF save would write the base weights alone
-            self._save_merged(out)
-            self.export_lora_adapter(os.path.join(self.cfg.trainer.output_dir, "lora", f"step-{step}"))
+        if self.cfg.model.lora_rank:
+            lora.export(self, out, os.path.join(self.cfg.trainer.output_dir, "lora", f"step-{step}"))
         else:
             dcp_folder = self.checkpointer.folder  # keep the export out of the resume folder
             self.checkpointer.folder = os.path.join(self.cfg.trainer.output_dir, "hf")
@@ -342,30 +307,14 @@ class TorchTitanEngine:
         dist.barrier()
         return out
 
-    def _save_merged(self, out: str) -> None:
-        """export_hf_weights into one model.safetensors (rank 0 writes; a tied head is the embedding)."""
-        tied = self.trainer.model_config.enable_weight_tying
-        weights = {name: tensor.cpu() for name, tensor in self.export_hf_weights()
-                   if dist.get_rank() == 0 and not (tied and name == "lm_head.weight")}
-        if dist.get_rank() == 0:
-            from safetensors.torch import save_file
-
-            os.makedirs(out, exist_ok=True)
-            save_file({name: tensor.contiguous() for name, tensor in weights.items()},
-                      os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-
     def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) one parameter at a time, cast to `dtype` (default: the masters')
         before the gather; tied lm_head.weight included. With LoRA: the merged weights W + alpha / rank x B A."""
-        lora = self._lora_factors()
+        cfg = self.cfg.model
+        state = lora.merged_state(self.model, cfg.lora_alpha / cfg.lora_rank) if cfg.lora_rank else (
+            (canonical_fqn(name), tensor) for name, tensor in self.model.state_dict().items())
         yielded = set()
-        for name, tensor in self.model.state_dict().items():
-            name = canonical_fqn(name)
-            if name in lora:  # merged in the masters' dtype, then cast
-                lora_b, lora_a = lora[name]
-                tensor = full_tensor(tensor) + self.cfg.model.lora_alpha / self.cfg.model.lora_rank * lora_b @ lora_a
-            elif ".lora_a." in name or ".lora_b." in name:
-                continue
+        for name, tensor in state:
             tensor = full_tensor(tensor.to(dtype) if dtype is not None else tensor)  # a shard casts: fewer bytes move
             for hf_name, hf_tensor in self.sd_adapter.to_hf({name: tensor}).items():
                 if hf_name not in yielded:
@@ -375,48 +324,6 @@ class TorchTitanEngine:
                     tied_embedding = hf_tensor
         if "lm_head.weight" not in yielded and self.trainer.model_config.enable_weight_tying:
             yield "lm_head.weight", tied_embedding  # vLLM needs it even for tied models
-
-    def _lora_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """State-dict name of each LoRA base weight -> (its rows of lora_b, lora_a), full tensors. lora_b's rows go
-        through the parent module's state-dict hooks as the base weight's do (the fused q/k/v linear saves as three)."""
-        factors = {}
-        for path, module in self.model.named_modules():
-            if not hasattr(module, "lora_b"):
-                continue
-            parent_path, _, attr = path.rpartition(".")
-            parent, prefix = self.model.get_submodule(parent_path), parent_path + "."
-            rows = {f"{prefix}{attr}.weight": full_tensor(module.lora_b.weight)}
-            for hook in parent._state_dict_hooks.values():
-                hook(parent, rows, prefix, {})
-            lora_a = full_tensor(module.lora_a.weight)
-            factors.update({canonical_fqn(name): (lora_b, lora_a) for name, lora_b in rows.items()})
-        return factors
-
-    def export_lora_adapter(self, out: str) -> None:
-        """Write the adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors) into `out`."""
-        tensors, targets = {}, set()
-        for name, (lora_b, lora_a) in self._lora_factors().items():
-            for hf_name, hf_rows in self.sd_adapter.to_hf({name: lora_b}).items():
-                module = "base_model.model." + hf_name.removesuffix(".weight")
-                tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = lora_a, hf_rows
-                targets.add(module.rsplit(".", 1)[1])
-        if dist.get_rank() == 0:
-            from safetensors.torch import save_file
-
-            os.makedirs(out, exist_ok=True)
-            save_file({k: v.cpu().clone() for k, v in tensors.items()}, os.path.join(out, "adapter_model.safetensors"))
-            with open(os.path.join(out, "adapter_config.json"), "w") as f:
-                json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=self.cfg.model.lora_rank,
-                               lora_alpha=self.cfg.model.lora_alpha, target_modules=sorted(targets),
-                               lora_dropout=0.0, bias="none", base_model_name_or_path=self.cfg.model.path), f, indent=2)
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) DTensor; a one-rank mesh needs no gather."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    return tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
-
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     """Host -> device copy that does not wait for the device to drain (pinned, non-blocking on CUDA)."""

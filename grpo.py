@@ -5,6 +5,8 @@ Per-token tensors are flat [T] over the packed tokens of a micro-batch. Losses a
 *global* token / sequence counts, so the loss does not depend on DP size or micro-batching.
 """
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -31,10 +33,19 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((group_size * grouped - grouped.sum(-1, keepdim=True)) / (group_size - 1)).view(-1)
 
 
-ADVANTAGE_ESTIMATORS = {  # algorithm.adv_estimator, verl's names: (rewards [N], group size, algorithm) -> [N]
-    "grpo": lambda rewards, n, algo: group_advantages(rewards, n, algo.norm_adv_by_std, algo.adv_epsilon),
-    "rloo": lambda rewards, n, algo: rloo_advantages(rewards, n),
-}
+def grpo_estimator(rewards: torch.Tensor, n: int, algo) -> torch.Tensor:
+    """algorithm.adv_estimator=grpo: group_advantages with the algorithm section's settings."""
+    return group_advantages(rewards, n, algo.norm_adv_by_std, algo.adv_epsilon)
+
+
+def rloo_estimator(rewards: torch.Tensor, n: int, algo) -> torch.Tensor:
+    """algorithm.adv_estimator=rloo: rloo_advantages (no settings of its own)."""
+    return rloo_advantages(rewards, n)
+
+
+# algorithm.adv_estimator, verl's names: (rewards [N], group size, algorithm section) -> advantages [N]. A plug-in
+# module (config.algorithm_function) provides `advantages` of this signature and, optionally, its own `Settings`.
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_estimator, "rloo": rloo_estimator}
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer: int, factor: float):
@@ -63,10 +74,19 @@ def token_weights(response_lengths: torch.Tensor, mode: str, global_tokens: floa
     raise ValueError(f"algorithm.loss_agg_mode={mode!r} is unknown")
 
 
+class PolicyLoss(NamedTuple):
+    """What a policy loss gives per token [T]: the loss, whether the ratio was clipped, whether the dual clip (the
+    lower bound for negative advantages) acted, and the approximate KL to the old policy (-log ratio)."""
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    clipped_lower: torch.Tensor
+    approx_kl: torch.Tensor
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float):
-    """Per-token PPO clipped surrogate with dual clip (verl `compute_policy_loss_vanilla`): (loss [T], clipped [T]
-    bool, clipped_lower [T] bool, approx_kl [T])."""
+                clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> PolicyLoss:
+    """Per-token PPO clipped surrogate with dual clip (verl `compute_policy_loss_vanilla`)."""
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -77,11 +97,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     loss = torch.where(negative, loss_dual, loss_ppo)
     clipped = loss_clipped > loss_unclipped
     clipped_lower = (loss_ppo > -advantages * clip_ratio_c) & negative
-    return loss, clipped, clipped_lower, -log_ratio
+    return PolicyLoss(loss, clipped, clipped_lower, -log_ratio)
 
 
 def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     lengths: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float):
+                     lengths: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float) -> PolicyLoss:
     """GSPO (verl `compute_policy_loss_gspo`, arXiv 2507.18071): one ratio per response, the geometric mean of its
     tokens' ratios s = exp(mean log(pi / pi_old)), clipped to [1 - low, 1 + high], no dual clip; each token carries
     sg[s] pi_t / sg[pi_t] (its gradient is the token's own). `lengths` [S] split the flat tokens into responses."""
@@ -94,15 +114,24 @@ def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     no_dual_clip = torch.zeros_like(ratio, dtype=torch.bool)
-    return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped, no_dual_clip, -log_ratio
+    return PolicyLoss(torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped, no_dual_clip,
+                      -log_ratio)
 
 
-POLICY_LOSSES = {  # algorithm.loss_mode, verl's names: (logprobs, old, advantages, lengths, algorithm) -> policy_loss's
-    "vanilla": lambda lp, old, adv, lengths, algo: policy_loss(lp, old, adv, algo.clip_ratio_low, algo.clip_ratio_high,
-                                                               algo.clip_ratio_c),
-    "gspo": lambda lp, old, adv, lengths, algo: gspo_policy_loss(lp, old, adv, lengths, algo.clip_ratio_low,
-                                                                 algo.clip_ratio_high),
-}
+def vanilla_loss(logprobs, old_logprobs, advantages, lengths, algo) -> PolicyLoss:
+    """algorithm.loss_mode=vanilla: policy_loss with the algorithm section's clip ratios."""
+    return policy_loss(logprobs, old_logprobs, advantages, algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c)
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, lengths, algo) -> PolicyLoss:
+    """algorithm.loss_mode=gspo: gspo_policy_loss with the algorithm section's clip ratios."""
+    return gspo_policy_loss(logprobs, old_logprobs, advantages, lengths, algo.clip_ratio_low, algo.clip_ratio_high)
+
+
+# algorithm.loss_mode, verl's names: (logprobs, old logprobs, advantages [T], response lengths [S], algorithm section)
+# -> PolicyLoss. A plug-in module (config.algorithm_function) provides `policy_loss` of this signature and,
+# optionally, its own `Settings` (fields that join the --algorithm.* flags).
+POLICY_LOSSES = {"vanilla": vanilla_loss, "gspo": gspo_loss}
 LOSS_AGG_MODE_OF = {"gspo": "seq-mean-token-mean"}  # verl aggregates GSPO per response, whatever loss_agg_mode says
 
 
@@ -143,16 +172,18 @@ def rollout_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor)
 
 
 def grpo_token_loss(logprobs, old_logprobs, advantages, weights, algo, entropy=None, ref_logprobs=None,
-                    rollout_logprobs=None, token_share: float | None = None, lengths: torch.Tensor | None = None):
+                    rollout_logprobs=None, token_share: float | None = None, lengths: torch.Tensor | None = None,
+                    policy=None):
     """The weighted GRPO loss of one micro-batch (a scalar) and its metrics.
 
     `weights` are per-token loss weights (they carry loss_agg_mode); `token_share` is 1 / the
     mini-batch's response tokens (default: token-mean weights); `lengths` [S] split the tokens into responses
-    (GSPO needs them). Summed over every micro-batch and DP rank, the loss, pg_loss, entropy and kl_loss are
-    aggregated like the loss (verl), while pg_clipfrac(_lower) and ppo_kl are token means under every mode.
+    (GSPO needs them); `policy` is the policy loss (default: POLICY_LOSSES[algo.loss_mode]). Summed over every
+    micro-batch and DP rank, the loss, pg_loss, entropy and kl_loss are aggregated like the loss (verl), while
+    pg_clipfrac(_lower) and ppo_kl are token means under every mode.
     """
-    pg, clipped, clipped_lower, approx_kl = POLICY_LOSSES[algo.loss_mode](logprobs, old_logprobs, advantages, lengths,
-                                                                         algo)
+    pg, clipped, clipped_lower, approx_kl = (policy or POLICY_LOSSES[algo.loss_mode])(
+        logprobs, old_logprobs, advantages, lengths, algo)
     if algo.tis_cap is not None and rollout_logprobs is not None:
         pg = pg * truncated_is_weights(old_logprobs, rollout_logprobs, algo.tis_cap)
     loss = (weights * pg).sum()

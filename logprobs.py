@@ -136,3 +136,10 @@ def _kernels(compile_: bool):
     # automatic dynamic shapes: the token count becomes symbolic, the vocab stays a constant (a
     # symbolic vocab turns each element's row index into a 64-bit division by a runtime value)
     return tuple(torch.compile(fn) for fn in fns) if compile_ else fns
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) DTensor; a one-rank mesh needs no gather."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    return tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()

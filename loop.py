@@ -16,7 +16,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,10 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import grpo
-from config import Config, SettingError, load_plugin, one_line_errors, parse_cli, validate
+import offpolicy
+from config import (
+    Config, SettingError, algorithm_function, load_plugin, one_line_errors, parse_cli, sampler_class, validate,
+)
 from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, load_model_dir, pack, to_device
 from metrics import MetricsLog, lock_output_dir, log, perf_metrics, quiet_known_noise, rollout_metrics
 from rollout import Rollout, Sampler, build_rollout
@@ -37,7 +39,7 @@ def train(cfg: Config) -> dict[str, float]:
     first = run.engine.loaded_step + 1
     if first > 1:
         log(f"resumed from step {run.engine.loaded_step}")
-        run.ahead.load(checkpoint_folder(run.engine, run.engine.loaded_step))
+        run.groups.load(checkpoint_folder(run.engine, run.engine.loaded_step))
     if cfg.trainer.val_before_train and first == 1:
         metrics_log.write(0, run_validation(cfg, run))
     metrics = {}
@@ -49,10 +51,11 @@ def train(cfg: Config) -> dict[str, float]:
         metrics_log.write(step, metrics)  # before the checkpoint: a resume from it never lacks this row
         if cfg.checkpoint.save_freq > 0 and (step % cfg.checkpoint.save_freq == 0 or last):  # verl saves the last
             run.engine.save_checkpoint(step)
-            run.ahead.save(checkpoint_folder(run.engine, step))
+            run.groups.save(checkpoint_folder(run.engine, step))
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
         log(f"exported HF weights to {run.engine.export_hf(cfg.trainer.total_training_steps)}")
     metrics_log.close()
+    run.groups.close()
     dist.barrier()
     run.sampler.close()  # before the process group goes: vLLM's teardown frees its memory pools and groups
     return metrics
@@ -69,7 +72,7 @@ class Run:
     train_set: PromptSet
     val_set: PromptSet
     sampler: Sampler
-    ahead: AheadRollout  # trainer.one_step_off_policy: the next step's groups (unused otherwise)
+    groups: OnPolicyGroups | offpolicy.OneStepOffPolicy | None = None  # where each step's groups come from
 
 
 def build_run(cfg: Config) -> Run:
@@ -84,21 +87,21 @@ def build_run(cfg: Config) -> Run:
     engine = TorchTitanEngineWithLMHead(cfg)
     ref_engine = build_reference(cfg) if cfg.algorithm.use_kl_loss else None
     sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))  # holds the trainer's weights
-    return Run(engine, ref_engine, task, tokenizer, train_set, val_set, sampler, AheadRollout())
+    run = Run(engine, ref_engine, task, tokenizer, train_set, val_set, sampler)
+    run.groups = OnPolicyGroups(cfg, run)
+    if cfg.trainer.one_step_off_policy:
+        run.groups = offpolicy.OneStepOffPolicy(lambda slot: local_groups(cfg, slot, run),
+                                                lambda groups: share_within_model_parallel(engine, groups),
+                                                cfg.trainer.total_training_steps, engine.device)
+    return run
 
 
 def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
-    """One GRPO step: generate -> score -> group advantages -> old log-probs -> update -> weight sync. With
-    trainer.one_step_off_policy the step trains on groups generated during the previous step (from the weights
-    before that step's update) and generates the next step's beside its own log-probs and update."""
+    """One GRPO step: generate -> score -> group advantages -> old log-probs -> update -> weight sync. The step's
+    groups come from run.groups (generated now, or one step ahead by the one-step off-policy mode)."""
     engine, sampler, a = run.engine, run.sampler, cfg.algorithm
     timings, t0 = {}, time.perf_counter()
-    if cfg.trainer.one_step_off_policy:
-        (rollout, rewards), metrics = run.ahead.take(cfg, step, run), {}
-        metrics["rollout/staleness"] = float(run.ahead.staleness)
-    else:
-        rollout, rewards, metrics = sample_groups(cfg, step, run)
-        sampler.sleep()  # vLLM's memory goes to the update until the sync
+    rollout, rewards, metrics = run.groups.take(step)
     timings["gen"] = time.perf_counter() - t0
 
     if a.overlong_buffer_len:
@@ -106,7 +109,8 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
         penalty = grpo.overlong_penalty(lengths, cfg.data.max_response_length, a.overlong_buffer_len,
                                         a.overlong_penalty_factor)
         rewards = (torch.tensor(rewards) + penalty).tolist()
-    advantages = grpo.ADVANTAGE_ESTIMATORS[a.adv_estimator](torch.tensor(rewards), cfg.rollout.n, a).tolist()
+    estimator = algorithm_function("algorithm.adv_estimator", a.adv_estimator)
+    advantages = estimator(torch.tensor(rewards), cfg.rollout.n, a).tolist()
     samples = [Sample(prompt, response, logprobs, advantage) for prompt, response, logprobs, advantage in
                zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs, advantages)]
 
@@ -118,8 +122,7 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
     metrics.update(update_actor(cfg, engine, samples))
     timings["update_actor"] = time.perf_counter() - t
 
-    if cfg.trainer.one_step_off_policy:  # the next step's groups must be drawn before vLLM takes the new weights
-        timings["wait_rollout"], timings["gen_ahead"] = run.ahead.wait()
+    timings.update(run.groups.update_done())  # groups drawn ahead must be finished before vLLM takes new weights
     timings["update_weights"] = sampler.sync_weights()
     timings["step"] = time.perf_counter() - t0
     metrics.update(rollout_metrics(engine, samples, rollout, rewards))
@@ -129,6 +132,33 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the phases of a step
+class OnPolicyGroups:
+    """A step's groups generated at its start from the current weights; vLLM then sleeps until the sync (with
+    rollout.free_cache_engine) so that its memory serves the update."""
+
+    def __init__(self, cfg: Config, run: Run):
+        self.cfg, self.run = cfg, run
+
+    def take(self, step: int) -> tuple[Rollout, list[float], dict[str, float]]:
+        """This rank's share of the step's groups, their scores and metrics."""
+        groups = sample_groups(self.cfg, step, self.run)
+        self.run.sampler.sleep()
+        return groups
+
+    def update_done(self) -> dict[str, float]:
+        """Nothing runs beside the update: no timings to add."""
+        return {}
+
+    def save(self, folder: str) -> None:
+        pass
+
+    def load(self, folder: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float], dict[str, float]]:
     """This rank's share of the step's groups (n responses per prompt) and their task scores. With
     algorithm.filter_groups (DAPO's dynamic sampling) only groups whose scores differ are kept, from as many
@@ -141,11 +171,10 @@ def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float
         rollout, new = share_within_model_parallel(engine, local_groups(cfg, (step - 1) * batches + batch + 1, run))
         if not a.filter_groups:
             return rollout, new, {}
-        for g in range(len(new) // n):  # verl keeps a group of one too: it has no spread to judge
-            if n == 1 or len(set(new[g * n:(g + 1) * n])) > 1:
-                for name, values in vars(rollout).items():
-                    getattr(kept, name).extend(values[g * n:(g + 1) * n])
-                scores.extend(new[g * n:(g + 1) * n])
+        for g in informative_groups(new, n):
+            for name, values in vars(rollout).items():
+                getattr(kept, name).extend(values[g * n:(g + 1) * n])
+            scores.extend(new[g * n:(g + 1) * n])
         generated += len(new) // n
         held = int(engine.dp_all_reduce(torch.tensor([len(scores) // n]), dist.ReduceOp.MIN).item())  # every rank's
         if held >= wanted:
@@ -158,6 +187,12 @@ def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float
     return Rollout(*(values[:wanted * n] for values in vars(kept).values())), scores[:wanted * n], metrics
 
 
+def informative_groups(scores: list[float], n: int) -> list[int]:
+    """DAPO's keep rule: the indices of the groups (n consecutive scores each) whose scores differ; verl keeps a
+    group of one too, which has no spread to judge."""
+    return [g for g in range(len(scores) // n) if n == 1 or len(set(scores[g * n:(g + 1) * n])) > 1]
+
+
 def local_groups(cfg: Config, slot: int, run: Run) -> tuple[Rollout, list[float]]:
     """This rank's prompts of a prompt slot, n responses each and their task scores (no collective: it may run
     beside the update)."""
@@ -165,56 +200,6 @@ def local_groups(cfg: Config, slot: int, run: Run) -> tuple[Rollout, list[float]
     rollout = run.sampler.generate([ids for ids, _ in prompts], cfg.rollout.n, seed=step_seed(cfg, slot, run.engine),
                                    logprob_samples=rollout_logprob_samples(cfg))
     return rollout, score(cfg, run, rollout.response_ids, [truth for _, truth in prompts for _ in range(cfg.rollout.n)])
-
-
-class AheadRollout:
-    """trainer.one_step_off_policy: the next step's groups, generated by a background thread (vLLM's in-process
-    engine on its own CUDA stream) from the weights vLLM holds while this step computes log-probs and updates.
-    A checkpoint keeps the finished next batch: a resume trains on what the uninterrupted run would."""
-
-    def __init__(self):
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self.running, self.ready, self.staleness = None, None, 0
-
-    def take(self, cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float]]:
-        """This step's groups (generated now at the first step, or a resume without a saved batch), shared with the
-        model-parallel peers; starts the next step's generation."""
-        self.staleness = 0 if self.ready is None else 1  # updates between the drawing weights and this step's
-        groups, self.ready = self.ready or local_groups(cfg, step, run), None
-        if step < cfg.trainer.total_training_steps:
-            self.running = self.pool.submit(beside_the_trainer, run.engine, local_groups, cfg, step + 1, run)
-        return share_within_model_parallel(run.engine, groups)
-
-    def wait(self) -> tuple[float, float]:
-        """Wait for the next step's groups; (seconds waited, seconds the generation took)."""
-        if self.running is None:
-            return 0.0, 0.0
-        start = time.perf_counter()
-        self.ready, generation_s = self.running.result()
-        self.running = None
-        return time.perf_counter() - start, generation_s
-
-    def save(self, folder: str) -> None:
-        if self.ready is not None:
-            torch.save(self.ready, os.path.join(folder, f"next_groups_rank{dist.get_rank()}.pt"))
-
-    def load(self, folder: str) -> None:
-        path = os.path.join(folder, f"next_groups_rank{dist.get_rank()}.pt")
-        self.ready = torch.load(path, weights_only=False) if os.path.isfile(path) else None
-
-
-def beside_the_trainer(engine, fn, *args):
-    """fn(*args) and its wall seconds, on this thread's own CUDA stream (the trainer's kernels run on the default
-    stream; kernels of two streams can run at once)."""
-    start = time.perf_counter()
-    if engine.device_type != "cuda":
-        return fn(*args), time.perf_counter() - start
-    torch.cuda.set_device(engine.device)  # a new thread starts on device 0
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        result = fn(*args)
-    stream.synchronize()  # this stream's work, not the trainer's default stream
-    return result, time.perf_counter() - start
 
 
 def checkpoint_folder(engine, step: int) -> str:
@@ -261,7 +246,8 @@ def on_policy(cfg) -> bool:
 def rollout_logprob_samples(cfg) -> int:
     """How many of each prompt's n responses need the sampler's log-probs: all where the loss uses them or the
     samples are a step old (one-step off-policy), the first one for the mismatch metric (enough for a mean, and
-    vLLM's cost of returning them falls ~n-fold), none on-policy, where that metric has no old log-probs."""
+    vLLM's host-side cost of returning them grows with the responses that ask), none on-policy, where that metric
+    has no old log-probs."""
     if cfg.actor.use_rollout_logprobs or cfg.algorithm.tis_cap is not None or cfg.trainer.one_step_off_policy:
         return cfg.rollout.n
     return 0 if on_policy(cfg) else 1
@@ -419,6 +405,7 @@ def forward_backward_batch(engine, samples: list[Sample], loss_fn, temperature: 
 
 def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
     """The GRPO loss over a micro-batch, normalised by the mini-batch's global counts."""
+    policy = algorithm_function("algorithm.loss_mode", cfg.algorithm.loss_mode)
 
     def loss_fn(members, logprobs, entropies):
         lengths = torch.tensor([len(s.response_ids) for s in members])
@@ -439,7 +426,7 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
         old = on_device.get("old", current.detach())  # on-policy (one update per batch): old == current
         return grpo.grpo_token_loss(current, old, on_device["advantages"], on_device["weights"], cfg.algorithm,
                                     torch.cat(entropies), on_device.get("ref"), on_device.get("rollout"),
-                                    token_share=1.0 / global_tokens, lengths=lengths)
+                                    token_share=1.0 / global_tokens, lengths=lengths, policy=policy)
 
     return loss_fn
 
@@ -505,10 +492,11 @@ def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
 
 def main(argv: list[str]) -> None:
     """Train with the settings in argv; a bad setting ends the process with one line on stderr and exit code 2."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's engine in this process: the sync copies in place
     quiet_known_noise()
     with one_line_errors():
-        train(parse_cli(argv))
+        cfg = parse_cli(argv)
+        os.environ.update(sampler_class(cfg).environment)  # before the sampler's package is imported
+        train(cfg)
     if dist.is_initialized():  # vLLM's shutdown has already destroyed it
         dist.destroy_process_group()
 

@@ -145,6 +145,8 @@ def quiet_known_noise() -> None:
     """Silence third-party lines that read as failures but are not (set once, at the entry point)."""
     logging.getLogger().addFilter(lambda record: not record.getMessage().startswith(KNOWN_NOISE))  # torchtitan's logger
     warnings.filterwarnings("ignore", message="DTensor .* may not have complete support on cpu")  # random ops, seed
+    # vLLM's in-place reload warns per sync, rank and layer whose only tensors (RoPE's cache) no checkpoint holds
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 KNOWN_NOISE = (

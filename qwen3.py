@@ -102,7 +102,7 @@ def use_installed_flash() -> None:
 
 class ExpertsInInputDtype(GroupedExperts):
     """torchtitan's GroupedExperts computing in its input's dtype: its forward casts everything to
-    bfloat16, so a float32 model (CPU, parity tests) was not float32 in its experts (1e-2 off HF)."""
+    bfloat16, so a float32 model (CPU, parity tests) was not float32 in its experts."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
@@ -176,7 +176,7 @@ def qwen3_model_config(hf: dict, attn_type: str) -> Qwen3Model.Config:
 
 def parallelize_keeping_tied_head(model, **kwargs):
     """torchtitan's parallelize_qwen3, re-tying lm_head and embedding between TP and FSDP: TP distributes the two
-    weights separately, which unties them, and the embedding would train on a stale copy (FSDP=2 x TP=2 step 2 off).
+    weights separately, which unties them, and the embedding would train on a stale copy.
     Both are Shard(0) over the vocab under TP, so one parameter serves both."""
     if model.enable_weight_tying:
         tensor_parallelize = model.parallelize

@@ -3,7 +3,6 @@ the weight sync trainer -> vLLM."""
 
 import contextlib
 import gc
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -13,8 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import Config
-from engine import pack
+from config import Config, sampler_class
 
 
 @dataclass
@@ -26,10 +24,15 @@ class Rollout:
 
 
 class Sampler(Protocol):
-    """What the loop asks of a rollout engine (VLLMRollout, NativeRollout; an SGLang one would be a third):
-    `generate` n responses per prompt (one greedy each, reproducible from `seed`, sampling log-probs for the first
-    `logprob_samples` of each prompt, None: all), `sync_weights` from the trainer (returns seconds), `sleep` to free
-    its accelerator memory for the update (the next sync restores it), `close`."""
+    """What the loop asks of a rollout engine (VLLMRollout here, NativeRollout in native.py; an SGLang one would be a
+    third, in a file of its own): built as `Sampler(cfg, engine, eos_token_ids)`; `generate` n responses per prompt
+    (one greedy each, reproducible from `seed`, sampling log-probs for the first `logprob_samples` of each prompt,
+    None: all), `sync_weights` from the trainer (returns seconds), `sleep` to free its accelerator memory for the
+    update (the next sync restores it), `close`. What it needs of the run it declares:"""
+
+    environment: dict[str, str]  # environment variables the entry point sets before building it
+    uses_rollout_tp: bool  # it runs rollout.tensor_parallel_size-rank groups (the size must divide TP x CP)
+    generates_beside_the_trainer: bool  # it holds weights of its own: it can generate while the trainer updates
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
                  logprob_samples: int | None = None) -> Rollout: ...
@@ -42,18 +45,20 @@ class Sampler(Protocol):
 
 
 def build_rollout(cfg: Config, engine, eos_token_ids: list[int]) -> Sampler:
-    """The sampler named by rollout.name."""
-    if cfg.rollout.name == "native":
-        return NativeRollout(cfg, engine, eos_token_ids)
-    return VLLMRollout(cfg, engine)
+    """The sampler named by rollout.name (a built-in name, a module or a .py path whose SAMPLER it builds)."""
+    return sampler_class(cfg)(cfg, engine, eos_token_ids)
 
 
 class VLLMRollout:
     """One vLLM engine per rank (TP=1) or per rollout-TP group (external_launcher), in-process. It starts from dummy
     weights and takes the trainer's at once (as verl does): a random-init or resumed trainer is what gets sampled."""
 
-    def __init__(self, cfg: Config, engine):
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # loop.main and run.sh set it
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine in this process: the sync copies in place
+    uses_rollout_tp = True
+    generates_beside_the_trainer = True
+
+    def __init__(self, cfg: Config, engine, eos_token_ids: list[int] | None = None):
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # the entry point sets `environment`
             raise RuntimeError("rollout.name=vllm needs vLLM's engine in this process, where the sync copies weights "
                                "in place: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before starting")
         try:
@@ -61,8 +66,6 @@ class VLLMRollout:
         except ImportError as error:
             raise ImportError(f"rollout.name=vllm but vllm cannot be imported ({error}); install the pinned set "
                               "(bash run.sh does) or use --rollout.name native") from error
-        # the in-place reload warns per sync, rank and layer whose only tensors (RoPE's cache) no checkpoint holds
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cfg, self.engine = cfg, engine
         on_gpu = engine.device_type == "cuda"
         self.dtype = torch.bfloat16 if on_gpu and cfg.model.dtype == "bfloat16" else torch.float32
@@ -180,7 +183,7 @@ def freeze_live_objects() -> None:
 
 def copy_into_weights(worker, weights) -> None:
     """vLLM's own loader on the live model (run on each vLLM worker): each tensor is copied into its (possibly
-    fused, TP-sharded) parameter, several times faster than reload_weights (benchmarks/)."""
+    fused, TP-sharded) parameter; faster than reload_weights (benchmarks/ has the timings)."""
     model = worker.model_runner.get_model()
     unset = {name for name, _ in model.named_parameters()} - set(model.load_weights(weights))
     if unset:  # after a sleep they would hold whatever the woken memory held
@@ -197,79 +200,4 @@ def forget_moe_kernels(worker) -> None:
             method.moe_kernel = None
 
 
-class NativeRollout:
-    """Samples with the trainer's own sharded model: no vLLM, no weight sync, exact log-probs. Recomputes the
-    whole prefix each token (no KV cache); every rank runs as many forwards (FSDP's lockstep)."""
-
-    def __init__(self, cfg: Config, engine, eos_token_ids: list[int]):
-        self.cfg, self.engine, self.eos = cfg, engine, set(eos_token_ids)
-
-    def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
-                 logprob_samples: int | None = None) -> Rollout:
-        """n samples per prompt (or one greedy response each); `seed` makes the draw reproducible; the
-        log-probs come free here, so every response has them whatever `logprob_samples` asks."""
-        r = self.cfg.rollout
-        n = 1 if greedy else n
-        prompts = [list(p) for p in prompt_ids for _ in range(n)]
-        generator = torch.Generator().manual_seed(seed)
-        responses, logprobs, done = [[] for _ in prompts], [[] for _ in prompts], [False] * len(prompts)
-        for position in range(self.cfg.data.max_response_length):
-            if not self._any_rank_active(done):
-                break
-            if position % 64 == 63 and dist.get_rank() == 0:  # a progress line: this sampler is slow
-                print(f"native rollout: {position + 1}/{self.cfg.data.max_response_length} tokens, "
-                      f"{done.count(False)}/{len(done)} responses open", flush=True)
-            live = [i for i, d in enumerate(done) if not d] or [0]  # keep forwarding in lockstep
-            logits = self._next_token_logits([prompts[i] + responses[i] for i in live])
-            tokens, token_logprobs = sample(logits, 1.0 if greedy else r.temperature, r.top_k, r.top_p,
-                                            greedy, generator)
-            for i, token, logprob in zip(live, tokens.tolist(), token_logprobs.tolist()):
-                if done[i]:
-                    continue
-                responses[i].append(token)
-                logprobs[i].append(logprob)
-                done[i] = token in self.eos
-        finish = ["stop" if resp and resp[-1] in self.eos else "length" for resp in responses]
-        return Rollout(prompts, responses, logprobs, finish)
-
-    def _any_rank_active(self, done: list[bool]) -> bool:
-        active = torch.tensor([0.0 if all(done) else 1.0])
-        dist.all_reduce(active)  # all ranks (FSDP and TP groups) step together
-        return active.item() > 0
-
-    def _next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        tokens, positions = pack(sequences)
-        last = torch.tensor([len(s) for s in sequences]).cumsum(0) - 1
-        with self.engine.eval_mode():
-            logits = self.engine.full_logits(tokens, positions)
-        return logits[last].float()
-
-    def sync_weights(self) -> float:
-        return 0.0  # samples with the trained weights themselves
-
-    def sleep(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (tokens, log-probs of the processed distribution)."""
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative - sorted_logits.softmax(-1) > top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if greedy:
-        tokens = logits.argmax(-1)
-    else:
-        # on the host with a CPU generator: the same draw on every rank and device, reproducible from `seed`
-        tokens = torch.multinomial(logprobs.exp().cpu(), 1, generator=generator)[:, 0].to(logits.device)
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+SAMPLER = VLLMRollout  # what rollout.name=vllm builds (config.SAMPLERS)

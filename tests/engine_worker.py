@@ -66,12 +66,30 @@ def main():
     masters = {id(p) for group in engine.optimizers.optimizers[0].param_groups for p in group["params"]}
     result["optimized"] = sorted(canonical_fqn(n) for n, p in engine.model.named_parameters() if id(p) in masters)
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
+    result["storage"] = storage(engine)
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights
         torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def storage(engine) -> dict:
+    """How the model is held: (dtype, requires_grad) of each parameter by name, and the bytes of the parameters and
+    of the optimizer state by dtype (this rank's shards)."""
+    params = {canonical_fqn(n): (str(p.dtype), p.requires_grad) for n, p in engine.model.named_parameters()}
+    param_bytes, state_bytes = {}, {}
+    for p in engine.model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        param_bytes[str(p.dtype)] = param_bytes.get(str(p.dtype), 0) + local.numel() * local.element_size()
+    for state in engine.optimizers.optimizers[0].state.values():
+        for value in state.values():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if local.dim():  # the step counters are scalars
+                size = local.numel() * local.element_size()
+                state_bytes[str(local.dtype)] = state_bytes.get(str(local.dtype), 0) + size
+    return {"params": params, "param_bytes": param_bytes, "state_bytes": state_bytes}
 
 
 def parameters(engine):

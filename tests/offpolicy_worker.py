@@ -1,7 +1,8 @@
 """Run under torchrun (or alone): three one-step off-policy GRPO steps with vLLM (float32 CPU) on arithmetic
 prompts. For each step's samples: the largest difference between their rollout log-probs and the engine's under
 the weights of one update before the step's start, and under the step's starting weights; the seeds of the
-generate calls; what is left running after the last step.
+generate calls; what is left running after the last step; whether the trainer thread's torch and numpy RNG states are
+what they were before each step.
 
     torchrun --nproc_per_node=N tests/offpolicy_worker.py OUT.pt MODEL_DIR DATA.jsonl [--section.field value ...]
 """
@@ -9,6 +10,7 @@ generate calls; what is left running after the last step.
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,28 +55,31 @@ def main():
         "--trainer.total_training_steps", str(STEPS), *extra])
     run = loop.build_run(cfg)
     seeds, taken = [], []
-    generate, take = run.sampler.generate, run.ahead.take
+    generate, take = run.sampler.generate, run.groups.take
 
     def counted_generate(*args, **kwargs):
         seeds.append(kwargs["seed"])
         return generate(*args, **kwargs)
 
     run.sampler.generate = counted_generate
-    run.ahead.take = lambda *args: taken.append(take(*args)) or taken[-1]
+    run.groups.take = lambda *args: taken.append(take(*args)) or taken[-1]
     weights = [snapshot(run.engine)]  # weights[k]: after k updates
-    result = {"drawn_by": [], "step_start": [], "staleness": []}
+    result = {"drawn_by": [], "step_start": [], "staleness": [], "rng_kept": []}
     for step in range(1, STEPS + 1):
-        metrics = loop.train_step(cfg, step, run)
+        rng = torch.get_rng_state(), np.random.get_state()[1].copy()
+        metrics = loop.train_step(cfg, step, run)  # generates the next step's groups on the background thread
+        result["rng_kept"].append(torch.equal(rng[0], torch.get_rng_state())
+                                  and np.array_equal(rng[1], np.random.get_state()[1]))
         weights.append(snapshot(run.engine))
-        rollout, _ = taken[-1]
+        rollout, _, _ = taken[-1]
         samples = [loop.Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]
         for key, k in (("drawn_by", max(step - 2, 0)), ("step_start", step - 1)):
             result[key].append(largest_difference(run.engine, samples, weights[k], cfg.rollout.temperature))
         result["staleness"].append(metrics["rollout/staleness"])
-    result["responses"] = [rollout.response_ids for rollout, _ in taken]
+    result["responses"] = [rollout.response_ids for rollout, _, _ in taken]
     result["seeds"] = seeds
     result["step_seeds"] = [loop.step_seed(cfg, step, run.engine) for step in range(1, STEPS + 1)]
-    result["left_running"] = run.ahead.running is not None or run.ahead.ready is not None
+    result["left_running"] = run.groups.running is not None or run.groups.ready is not None
     run.sampler.close()
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, out)

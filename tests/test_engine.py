@@ -306,3 +306,19 @@ def test_lora_checkpoint_resume_and_exports(dense_dir, tmp_path):
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     peft = checkpoint_worker("peft", tmp_path / "peft.pt", dense_dir, adapter)
     assert torch.allclose(peft["logprobs"], first["final"], atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["one_process", "fsdp2"])
+def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense_dir, tmp_path):
+    """model.dtype=bfloat16 with LoRA: every base parameter is bfloat16 and frozen (2 bytes a parameter, no float32
+    master), the adapters alone are float32 and trainable, and the optimizer state is AdamW's two float32 moments of
+    the adapters and nothing else."""
+    nproc, flags = (1, []) if layout == "one_process" else LAYOUTS[layout]
+    got = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags, *LORA, "--model.dtype", "bfloat16",
+                   backend=backend)["storage"]
+    adapters = {name for name in got["params"] if ".lora_a." in name or ".lora_b." in name}
+    assert len(adapters) == 20
+    for name, (dtype, trainable) in got["params"].items():
+        assert (dtype, trainable) == (("torch.float32", True) if name in adapters else ("torch.bfloat16", False)), name
+    assert set(got["param_bytes"]) == {"torch.bfloat16", "torch.float32"}
+    assert got["state_bytes"] == {"torch.float32": 2 * got["param_bytes"]["torch.float32"]}

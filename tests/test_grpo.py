@@ -1,6 +1,7 @@
 """grpo.py against float64 reference formulas written out here, element by element."""
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -238,3 +239,30 @@ def test_overlong_penalty_equals_dapos_reward_shaping():
     got = grpo.overlong_penalty(lengths, max_len, buffer, factor)
     assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
     assert got[192].item() == 0.0 and got[256].item() == pytest.approx(-1.5)
+
+
+def test_a_policy_loss_from_a_file_brings_its_own_setting():
+    """--algorithm.loss_mode tests/scaled_loss.py adds that file's --algorithm.pg_scale; the loss the loop's
+    grpo_token_loss computes with it is pg_scale times the vanilla loss (float64), its metrics otherwise the same."""
+    from config import algorithm_function, parse_cli
+
+    path = os.path.join(os.path.dirname(__file__), "scaled_loss.py")
+    cfg = parse_cli(["--algorithm.loss_mode", path, "--algorithm.pg_scale", "2.5"])
+    assert cfg.algorithm.pg_scale == 2.5 and cfg.algorithm.clip_ratio_c == 3.0
+    g = torch.Generator().manual_seed(0)
+    lp, old, adv = (torch.randn(12, generator=g, dtype=torch.float64) for _ in range(3))
+    weights = torch.full((12,), 1 / 12, dtype=torch.float64)
+    plugin = algorithm_function("algorithm.loss_mode", path)
+    got, got_metrics = grpo.grpo_token_loss(lp, old, adv, weights, cfg.algorithm, policy=plugin)
+    want, want_metrics = grpo.grpo_token_loss(lp, old, adv, weights, cfg.algorithm, policy=grpo.vanilla_loss)
+    assert got.item() == pytest.approx(2.5 * want.item(), rel=1e-12) and want.abs().item() > 1e-3
+    assert got_metrics["actor/pg_clipfrac"] == want_metrics["actor/pg_clipfrac"]
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_scores_differ():
+    """DAPO's keep rule: groups of n consecutive scores; all equal is dropped, any spread kept; n = 1 keeps all."""
+    from loop import informative_groups
+
+    assert informative_groups([1, 1, 0, 1, 0, 0, 0.5, 1], 2) == [1, 3]
+    assert informative_groups([1, 1, 1, 0, 0, 0], 3) == []
+    assert informative_groups([1, 0, 1], 1) == [0, 1, 2]

@@ -218,7 +218,8 @@ def test_one_step_off_policy_trains_on_samples_of_the_weights_one_update_older(t
     """One process, FSDP=2 and TP=2 (the TP peers train on their first peer's groups), three steps: the samples a
     step trains on carry rollout log-probs equal to the engine's under the weights one update older than the step's
     start (< 1e-4) and unlike the start weights' (> 1e-2); the first step draws its own (staleness 0); every step's
-    prompt slot is generated once (the last step starts no generation), and nothing is left in flight."""
+    prompt slot is generated once (the last step starts no generation), and nothing is left in flight; the trainer
+    thread's RNG states are the same after each step as before it."""
     pytest.importorskip("vllm")
     model_dir = make_tiny_qwen3(str(tmp_path_factory.mktemp("off_policy")), layers=2, hidden=128, heads=2, kv_heads=2)
     nproc = 1 if layout == ["--parallelism.data_parallel_shard_degree", "1"] else 2
@@ -227,6 +228,7 @@ def test_one_step_off_policy_trains_on_samples_of_the_weights_one_update_older(t
     assert min(got["step_start"][1:]) > 1e-2, got
     assert got["staleness"] == [0.0, 1.0, 1.0]
     assert got["seeds"] == got["step_seeds"] and not got["left_running"]
+    assert got["rng_kept"] == [True] * 3  # the background generation leaves the trainer thread's RNG as it was
 
 
 def test_one_step_off_policy_resumes_the_same_run(vllm_model_dir, tasks, tmp_path):
@@ -337,6 +339,28 @@ def test_a_task_defined_in_a_test_file_runs_by_its_path(model_dir, tmp_path):
     assert "train: 7 prompts" in LAST_STDOUT[0] and "val: 3 prompts" in LAST_STDOUT[0]
     assert [row["val-core/constant/reward/mean@1"] for row in rows] == [0.25, 0.25]
     assert rows[1]["critic/score/mean"] == pytest.approx(0.25)
+
+
+def test_a_sampler_and_a_loss_given_by_path_run_in_the_loop(model_dir, tasks, tmp_path):
+    """--rollout.name tests/counting_sampler.py builds that file's SAMPLER (the native sampler, counting its calls: one
+    per step and validation here) and --algorithm.loss_mode tests/scaled_loss.py with its own --algorithm.pg_scale 0
+    zeroes the policy loss, so nothing trains: the gradient is 0."""
+    rows = train(model_dir, tasks, tmp_path, 2, "--rollout.name", os.path.join(HERE, "counting_sampler.py"),
+                 "--algorithm.loss_mode", os.path.join(HERE, "scaled_loss.py"), "--algorithm.pg_scale", "0")
+    with open(tmp_path / "sampler_calls.txt") as f:
+        assert int(f.read()) == 4  # validation before, two steps, validation after
+    assert [row["actor/grad_norm"] for row in rows[1:]] == [0.0, 0.0] and rows[1]["actor/pg_loss"] == 0.0
+
+
+def test_help_works_with_plug_ins_given_by_path():
+    """--help lists the flags a task and a loss given by path add (their modules are registered as imports are)."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--data.task",
+                             os.path.join(HERE, "constant_task.py"), "--algorithm.loss_mode",
+                             os.path.join(HERE, "scaled_loss.py"), "--rollout.name",
+                             os.path.join(HERE, "counting_sampler.py"), "--model.family", "qwen3.py", "--help"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--reward.constant" in result.stdout and "--algorithm.pg-scale" in result.stdout  # tyro shows dashes
 
 
 def test_a_checkpoint_of_another_model_is_one_line_and_exit_2(model_dir, tasks, tmp_path):

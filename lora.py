@@ -1,0 +1,131 @@
+"""LoRA through torchtitan's `LoRAConverter` (`--model.lora_rank` > 0): a frozen base stored in the compute dtype,
+trainable float32 adapters, merged weights for the sync and the HF export, the adapters alone in PEFT's layout.
+
+The engine calls four hooks: `convert` (the model spec), `init_adapters` (after the build), `merged_state` (the
+weights the sync and the export read) and `export` (the final files)."""
+
+import json
+import math
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.components.lora import LoRAConverter
+
+from config import lora_targets
+from logprobs import full_tensor
+
+
+def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
+    """The model spec with LoRA on the linears that model.target_modules names; its parallelize_fn stores the
+    frozen base in model.dtype and keeps it frozen."""
+    model_spec.model = LoRAConverter.Config(
+        rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
+        target_modules=lora_targets(model_cfg, lora_target_names),
+    ).build().convert(model_spec.model)
+    model_spec.parallelize_fn = frozen_base(model_spec.parallelize_fn, getattr(torch, model_cfg.dtype))
+    return model_spec
+
+
+def frozen_base(parallelize_fn, dtype: torch.dtype):
+    """A parallelize_fn that first casts the frozen parameters to the compute dtype (FSDP2 leaves a parameter already
+    in its param_dtype as it is: no float32 master, no cast per gather) and after it keeps them frozen (torchtitan
+    0.3.0's spmd_types backend registers each distributed parameter anew, requiring grad)."""
+
+    def parallelize(model, **kwargs):
+        frozen = set()
+        for path, module in model.named_modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if not p.requires_grad:
+                    frozen.add(canonical_fqn(f"{path}.{name}" if path else name))
+                    setattr(module, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False))
+        model = parallelize_fn(model, **kwargs)
+        for name, p in model.named_parameters():
+            p.requires_grad_(canonical_fqn(name) not in frozen)
+        return model
+
+    return parallelize
+
+
+def init_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Each A as PEFT initialises it (kaiming-uniform, B = 0), drawn whole from `seed` and the module's name, so that
+    every layout trains the same adapters (torchtitan draws each shard on its own rank)."""
+    for path, module in model.named_modules():
+        if hasattr(module, "lora_a"):
+            weight = module.lora_a.weight
+            generator = torch.Generator().manual_seed(seed + zlib.crc32(canonical_fqn(path).encode()))
+            whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5), generator=generator)
+            whole = whole.to(weight.device, weight.dtype)
+            if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
+                whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
+            with torch.no_grad():
+                weight.copy_(whole)
+
+
+def merged_state(model: torch.nn.Module, scale: float):
+    """(state-dict name, tensor) of the model with W + scale x B A in place of each adapted W (in float32, whole)
+    and no adapter tensors: what the sync and the HF export read."""
+    factors = adapter_factors(model)
+    for name, tensor in model.state_dict().items():
+        name = canonical_fqn(name)
+        if name in factors:
+            lora_b, lora_a = factors[name]
+            yield name, full_tensor(tensor).float() + scale * lora_b @ lora_a
+        elif ".lora_a." not in name and ".lora_b." not in name:
+            yield name, tensor
+
+
+def adapter_factors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """State-dict name of each adapted base weight -> (its rows of lora_b, lora_a), whole tensors. lora_b's rows go
+    through the parent module's state-dict hooks as the base weight's do (the fused q/k/v linear saves as three)."""
+    factors = {}
+    for path, module in model.named_modules():
+        if not hasattr(module, "lora_b"):
+            continue
+        parent_path, _, attr = path.rpartition(".")
+        parent, prefix = model.get_submodule(parent_path), parent_path + "."
+        rows = {f"{prefix}{attr}.weight": full_tensor(module.lora_b.weight)}
+        for hook in parent._state_dict_hooks.values():
+            hook(parent, rows, prefix, {})
+        lora_a = full_tensor(module.lora_a.weight)
+        factors.update({canonical_fqn(name): (lora_b, lora_a) for name, lora_b in rows.items()})
+    return factors
+
+
+def export(engine, out: str, adapter_out: str) -> None:
+    """The merged model as HF safetensors in `out` and the adapters in PEFT's layout in `adapter_out` (torchtitan's
+    HF save would write the base weights alone)."""
+    tied = engine.trainer.model_config.enable_weight_tying
+    weights = {name: tensor.cpu().contiguous() for name, tensor in engine.export_hf_weights(torch.float32)
+               if dist.get_rank() == 0 and not (tied and name == "lm_head.weight")}  # a tied head is the embedding
+    save_on_rank0(weights, out, "model.safetensors")
+    export_adapter(engine, adapter_out)
+
+
+def export_adapter(engine, out: str) -> None:
+    """Write the adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors) into `out`."""
+    tensors, targets = {}, set()
+    for name, (lora_b, lora_a) in adapter_factors(engine.model).items():
+        for hf_name, hf_rows in engine.sd_adapter.to_hf({name: lora_b}).items():
+            module = "base_model.model." + hf_name.removesuffix(".weight")
+            tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = lora_a, hf_rows
+            targets.add(module.rsplit(".", 1)[1])
+    save_on_rank0({k: v.cpu().clone() for k, v in tensors.items()}, out, "adapter_model.safetensors")
+    model_cfg = engine.cfg.model
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "adapter_config.json"), "w") as f:
+            json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=model_cfg.lora_rank,
+                           lora_alpha=model_cfg.lora_alpha, target_modules=sorted(targets), lora_dropout=0.0,
+                           bias="none", base_model_name_or_path=model_cfg.path), f, indent=2)
+
+
+def save_on_rank0(tensors: dict[str, torch.Tensor], folder: str, name: str) -> None:
+    """Rank 0 writes `tensors` as folder/name (safetensors)."""
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
