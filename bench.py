@@ -298,7 +298,8 @@ def _hf_micro_batch_loss(model, members, global_tokens, cfg, dtype, device, grpo
     advantages = torch.cat([torch.full((len(s.response_ids),), s.advantage) for s in members]).to(device)
     weights = torch.full_like(current, 1.0 / global_tokens)
     lengths = torch.tensor([len(s.response_ids) for s in members])
-    loss, _ = grpo.grpo_token_loss(current, current.detach(), advantages, weights, cfg.algorithm, entropy, lengths=lengths)
+    loss, _ = grpo.grpo_token_loss(current, current.detach(), advantages, weights, cfg.algorithm, entropy,
+                                   lengths=lengths)
     return loss
 
 
@@ -310,7 +311,8 @@ def cases(quick: bool, lora_ranks: list[int] | None = None) -> list[dict]:
     if quick:
         return [dict(attn="sdpa", compile=False, ac="none", budget=2048),
                 dict(attn="sdpa", compile=False, ac="selective", budget=2048)]
-    rows = [dict(attn="flex", compile=c, ac=a, budget=16384) for c in (True, False) for a in ("none", "selective", "full")]
+    rows = [dict(attn="flex", compile=c, ac=a, budget=16384)
+            for c in (True, False) for a in ("none", "selective", "full")]
     rows += [dict(attn="flex", compile=True, ac="none", budget=b) for b in (8192, 32768)]
     rows += [dict(attn="varlen", compile=True, ac=a, budget=b) for a, b in (("none", 16384), ("selective", 16384),
                                                                             ("none", 32768))]
@@ -346,8 +348,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="profile one update of the first case")
     parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
-    parser.add_argument("--lora-ranks", default=None, help="comma-separated LoRA ranks (0: off) of the recipe's update; "
-                        "no HF baseline, no extras")
+    parser.add_argument("--lora-ranks", default=None,
+                        help="comma-separated LoRA ranks (0: off) of the recipe's update; no HF baseline, no extras")
     parser.add_argument("--shape", choices=("0.6b", "8b"), default="0.6b", help="Qwen3 shapes (random weights)")
     args = parser.parse_args()
     args.device = "cpu" if args.quick else "cuda"

@@ -4,7 +4,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): ev
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
-    python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's own LoRA path against the merged sync
+    python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's LoRA path vs the merged sync
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
 (`--profile`: the host's own time in one more generate by file and function, from cProfile).
@@ -224,7 +224,8 @@ def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
     print(f"\n{'step':<6}" + "".join(f"{p:>15}" for p in phases) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}")
     for row in rows:
         print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>15.2f}" for p in phases)
-              + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
+              + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}"
+              f"{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
               f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}")
 
 
@@ -259,7 +260,8 @@ def print_e2e(report: dict) -> None:
     print_steps(report["steps"], PHASES)
     r, s = report["rollout"], report["sync"]
     mean = {kind: sum(r[f"{kind}_s"]) / len(r[f"{kind}_s"]) for kind in ("alone", "alone_logprobs", "loop")}
-    paired = sorted(loop / alone for loop, alone in zip(r["loop_s"], r["alone_s"]))  # round by round: host drift cancels
+    # round by round: host drift cancels
+    paired = sorted(loop / alone for loop, alone in zip(r["loop_s"], r["alone_s"]))
     print(f"rollout of {r['prompts']} prompts x {r['n']}, mean of {len(r['alone_s'])} rounds: vLLM alone "
           f"{mean['alone']:.2f} s ({r['alone_tokens'][0]} tokens), with every log-prob {mean['alone_logprobs']:.2f} s, "
           f"the loop's generate (log-probs for {r['loop_logprob_samples']} of {r['n']}) {mean['loop']:.2f} s "

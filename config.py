@@ -132,7 +132,8 @@ class LRSchedulerConfig:
     """torchtitan's LR schedule: linear warmup, optional decay over the last `decay_ratio` of steps."""
 
     warmup_steps: int = 0  # optimizer steps of linear warmup
-    decay_ratio: float | None = 0.0  # share of steps, at the end, that decay; 0: constant (verl); None: all after warmup
+    # share of steps, at the end, that decay; 0: constant (verl); None: all after warmup
+    decay_ratio: float | None = 0.0
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"  # shape of the decay (torchtitan)
     min_lr_factor: float = 0.0  # the decay ends at lr x this
 

@@ -10,7 +10,6 @@ then the micro-batches that the log-prob pass and the update share."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import time
@@ -29,6 +28,7 @@ from config import (
 )
 from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, load_model_dir, pack, to_device
 from metrics import MetricsLog, lock_output_dir, log, perf_metrics, quiet_known_noise, rollout_metrics
+from prompts import PromptSet, eos_token_ids, load_data
 from rollout import Rollout, Sampler, build_rollout
 
 
@@ -206,13 +206,6 @@ def checkpoint_folder(engine, step: int) -> str:
     return os.path.join(engine.checkpointer.folder, f"step-{step}")
 
 
-def generate(sampler: Sampler, engine, prompts: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
-             logprob_samples: int | None = None) -> Rollout:
-    """n responses per prompt from the sampler; TP / CP peers all get their first peer's (they train on it)."""
-    rollout = sampler.generate(prompts, n, greedy=greedy, seed=seed, logprob_samples=logprob_samples)
-    return share_within_model_parallel(engine, rollout)
-
-
 def score(cfg: Config, run: Run, response_ids: list[list[int]], truths: list[str]) -> list[float]:
     """The task's reward of each decoded response (the task's `--reward.*` settings as keywords)."""
     texts = run.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
@@ -302,7 +295,8 @@ def run_validation(cfg: Config, run: Run) -> dict[str, float]:
     total = 0.0
     for start in range(0, per_rank, cfg.data.val_batch_size):
         chunk = padded[start:start + cfg.data.val_batch_size]
-        rollout = generate(run.sampler, engine, [ids for ids, _ in chunk], 1, greedy=True, logprob_samples=0)
+        rollout = run.sampler.generate([ids for ids, _ in chunk], 1, greedy=True, logprob_samples=0)
+        rollout = share_within_model_parallel(engine, rollout)  # TP / CP peers score their first peer's
         scores = score(cfg, run, rollout.response_ids, [truth for _, truth in chunk])
         total += sum(scores[:max(len(mine) - start, 0)])  # padding does not count
         log(f"validation: {min((start + len(chunk)) * engine.dp_size, len(items))}/{len(items)} prompts")
@@ -431,63 +425,13 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
     return loss_fn
 
 
-# ----------------------------------------------------------------------------- data and entry point
-class PromptSet:
-    """Tokenized chat prompts; over-long ones dropped (and counted), never truncated."""
-
-    def __init__(self, problems: list[dict], task, tokenizer, cfg: Config, name: str):
-        self.items, dropped = [], 0
-        for problem in problems:
-            ids = tokenizer.apply_chat_template(
-                task.build_prompt(problem["question"]), add_generation_prompt=True, tokenize=True,
-                enable_thinking=cfg.data.enable_thinking,
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-            if len(ids) > cfg.data.max_prompt_length:
-                dropped += 1
-                continue
-            self.items.append((ids, problem["ground_truth"]))
-        if not self.items:
-            raise SettingError(f"data.{name}_files: every prompt is longer than data.max_prompt_length; raise it")
-        log(f"{name}: {len(self.items)} prompts, {dropped} dropped as longer than {cfg.data.max_prompt_length} tokens")
-        self.seed = cfg.data.seed
-
-    def batch(self, step: int, size: int) -> list[tuple[list[int], str]]:
-        """Prompts of a 1-based step: a fixed function of step, so resuming continues the order."""
-        per_epoch, batch = len(self.items), []
-        for index in range((step - 1) * size, step * size):
-            epoch, offset = divmod(index, per_epoch)
-            order = torch.randperm(per_epoch, generator=torch.Generator().manual_seed(self.seed + epoch))
-            batch.append(self.items[order[offset]])
-        return batch
-
-
-def load_data(cfg: Config, task, name: str) -> list[dict]:
-    """The task's problems of data.train_files or data.val_files; bad data is a one-line error naming the setting."""
-    setting, source = f"data.{name}_files", getattr(cfg.data, f"{name}_files")
-    try:
-        return task.load_problems(source, split=name, seed=cfg.data.seed + (name == "val"))
-    except ValueError as error:
-        raise SettingError(f"{setting}: {error}") from None
-
-
+# ----------------------------------------------------------------------------- reference and entry point
 def build_reference(cfg: Config):
     """A frozen copy of the initial policy for the KL loss (built only when the loss is on)."""
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.trainer.output_dir = os.path.join(cfg.trainer.output_dir, "reference")
     ref_cfg.activation_checkpoint.mode = "none"
     return TorchTitanEngineWithLMHead(ref_cfg)
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json (Qwen3: <|im_end|> and <|endoftext|>), else the tokenizer's."""
-    path = os.path.join(model_dir, "generation_config.json")
-    ids = []
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return ids or [tokenizer.eos_token_id]
 
 
 def main(argv: list[str]) -> None:

@@ -35,7 +35,8 @@ def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
         "response_length/max": engine.dp_all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
     }
     if total[6] > 0:  # tokens with both log-probs
-        metrics["rollout_corr/abs_logprob_diff"], metrics["rollout_corr/kl_k3"] = total[4] / total[6], total[5] / total[6]
+        metrics["rollout_corr/abs_logprob_diff"] = total[4] / total[6]
+        metrics["rollout_corr/kl_k3"] = total[5] / total[6]
     return metrics
 
 
@@ -49,7 +50,8 @@ def perf_metrics(engine, samples, timings) -> dict[str, float]:
     metrics = {"perf/throughput": tokens * tp_cp / timings["step"] / world}
     if engine.device_type == "cuda":
         peak = get_peak_flops(torch.cuda.get_device_name())
-        metrics["perf/mfu/actor"] = flops * engine.cfg.actor.ppo_epochs / (timings["update_actor"] * peak * world / tp_cp)
+        update_s = timings["update_actor"]
+        metrics["perf/mfu/actor"] = flops * engine.cfg.actor.ppo_epochs / (update_s * peak * world / tp_cp)
         metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
     else:
         metrics["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

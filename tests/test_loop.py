@@ -322,13 +322,13 @@ def test_a_second_run_in_the_same_output_dir_stops_at_once(tmp_path):
 ])
 def test_bad_data_names_the_setting(tmp_path, content, message):
     import gsm8k
-    import loop
+    import prompts
     from config import SettingError, parse_cli
 
     path = tmp_path / "train.jsonl"
     path.write_text(content)
     with pytest.raises(SettingError, match=message):
-        loop.load_data(parse_cli(["--data.train_files", str(path)]), gsm8k, "train")
+        prompts.load_data(parse_cli(["--data.train_files", str(path)]), gsm8k, "train")
 
 
 def test_a_task_defined_in_a_test_file_runs_by_its_path(model_dir, tmp_path):

@@ -1,0 +1,60 @@
+"""A task's problems as tokenized chat prompts: `load_data` (the task's loader, bad data one line naming the
+setting), `PromptSet` (a resumable order of prompt batches) and the model's EOS ids."""
+
+import json
+import os
+
+import torch
+
+from config import Config, SettingError
+from metrics import log
+
+
+class PromptSet:
+    """Tokenized chat prompts; over-long ones dropped (and counted), never truncated."""
+
+    def __init__(self, problems: list[dict], task, tokenizer, cfg: Config, name: str):
+        self.items, dropped = [], 0
+        for problem in problems:
+            ids = tokenizer.apply_chat_template(
+                task.build_prompt(problem["question"]), add_generation_prompt=True, tokenize=True,
+                enable_thinking=cfg.data.enable_thinking,
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            if len(ids) > cfg.data.max_prompt_length:
+                dropped += 1
+                continue
+            self.items.append((ids, problem["ground_truth"]))
+        if not self.items:
+            raise SettingError(f"data.{name}_files: every prompt is longer than data.max_prompt_length; raise it")
+        log(f"{name}: {len(self.items)} prompts, {dropped} dropped as longer than {cfg.data.max_prompt_length} tokens")
+        self.seed = cfg.data.seed
+
+    def batch(self, step: int, size: int) -> list[tuple[list[int], str]]:
+        """Prompts of a 1-based step: a fixed function of step, so resuming continues the order."""
+        per_epoch, batch = len(self.items), []
+        for index in range((step - 1) * size, step * size):
+            epoch, offset = divmod(index, per_epoch)
+            order = torch.randperm(per_epoch, generator=torch.Generator().manual_seed(self.seed + epoch))
+            batch.append(self.items[order[offset]])
+        return batch
+
+
+def load_data(cfg: Config, task, name: str) -> list[dict]:
+    """The task's problems of data.train_files or data.val_files; bad data is a one-line error naming the setting."""
+    setting, source = f"data.{name}_files", getattr(cfg.data, f"{name}_files")
+    try:
+        return task.load_problems(source, split=name, seed=cfg.data.seed + (name == "val"))
+    except ValueError as error:
+        raise SettingError(f"{setting}: {error}") from None
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (Qwen3: <|im_end|> and <|endoftext|>), else the tokenizer's."""
+    path = os.path.join(model_dir, "generation_config.json")
+    ids = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return ids or [tokenizer.eos_token_id]
