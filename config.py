@@ -166,6 +166,8 @@ class AlgorithmConfig:
     loss_mode: str = "vanilla"  # vanilla (PPO clip + dual clip) | gspo (verl's policy_loss.loss_mode) | module / .py
     filter_groups: bool = False  # DAPO dynamic sampling: train only on groups whose rewards differ (verl's .enable)
     max_num_gen_batches: int = 10  # generation batches a step may take to fill its batch (verl's filter_groups)
+    # at max_num_gen_batches: False trains on the groups found (none: no update); True stops the run (as verl)
+    stop_at_max_gen_batches: bool = False
     overlong_buffer_len: int = 0  # DAPO overlong shaping over the last tokens before the limit (verl's len); 0: off
     overlong_penalty_factor: float = 1.0  # the penalty at the limit (verl's overlong_buffer.penalty_factor)
 

@@ -163,10 +163,12 @@ def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float
     """This rank's share of the step's groups (n responses per prompt) and their task scores. With
     algorithm.filter_groups (DAPO's dynamic sampling) only groups whose scores differ are kept, from as many
     generation batches as it takes every DP rank to hold train_batch_size / DP of them; generation batch g of a
-    step is prompt slot (step - 1) x max_num_gen_batches + g of the shuffled order, so a resume redraws the same."""
+    step is prompt slot (step - 1) x max_num_gen_batches + g of the shuffled order, so a resume redraws the same.
+    At max_num_gen_batches the step trains on the groups it found, every rank on as many (none: no update), unless
+    algorithm.stop_at_max_gen_batches stops the run as verl does."""
     engine, n, a = run.engine, cfg.rollout.n, cfg.algorithm
     wanted, batches = cfg.data.train_batch_size // engine.dp_size, a.max_num_gen_batches if a.filter_groups else 1
-    kept, scores, generated = Rollout([], [], [], []), [], 0
+    kept, scores, generated, all_scores = Rollout([], [], [], []), [], 0, 0.0
     for batch in range(batches):
         rollout, new = share_within_model_parallel(engine, local_groups(cfg, (step - 1) * batches + batch + 1, run))
         if not a.filter_groups:
@@ -175,16 +177,22 @@ def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float
             for name, values in vars(rollout).items():
                 getattr(kept, name).extend(values[g * n:(g + 1) * n])
             scores.extend(new[g * n:(g + 1) * n])
-        generated += len(new) // n
+        generated, all_scores = generated + len(new) // n, all_scores + sum(new)
         held = int(engine.dp_all_reduce(torch.tensor([len(scores) // n]), dist.ReduceOp.MIN).item())  # every rank's
         if held >= wanted:
             break
     else:
-        raise SettingError(f"algorithm.max_num_gen_batches={batches}: step {step} found {held} of {wanted} groups "
-                           "whose rewards differ on a rank; raise it (or check that the task's rewards vary)")
-    groups, generated = engine.dp_all_reduce(torch.tensor([len(scores) / n, generated])).tolist()
-    metrics = {"train/num_gen_batches": batch + 1, "train/kept_group_ratio": groups / generated}
-    return Rollout(*(values[:wanted * n] for values in vars(kept).values())), scores[:wanted * n], metrics
+        found = f"step {step} found {held} of {wanted} groups whose rewards differ on a rank"
+        if a.stop_at_max_gen_batches:
+            raise SettingError(f"algorithm.max_num_gen_batches={batches}: {found}; raise it (or check that the "
+                               "task's rewards vary)")
+        log(f"{found} in {batches} generation batches: " + (f"it trains on {held}" if held else "no update"))
+    groups, generated, all_scores = engine.dp_all_reduce(torch.tensor([len(scores) / n, generated, all_scores],
+                                                                      dtype=torch.float64)).tolist()
+    metrics = {"train/num_gen_batches": batch + 1, "train/kept_group_ratio": groups / generated,
+               "critic/score/all_mean": all_scores / (generated * n)}
+    used = min(held, wanted) * n
+    return Rollout(*(values[:used] for values in vars(kept).values())), scores[:used], metrics
 
 
 def informative_groups(scores: list[float], n: int) -> list[int]:
@@ -281,7 +289,7 @@ def update_actor(cfg, engine, samples) -> dict[str, float]:
                     totals[key] += value
                 steps += 1
     result = {k: v / steps for k, v in totals.items()}
-    result["actor/skipped_steps"] = totals["actor/skipped_steps"]
+    result["actor/skipped_steps"] = totals["actor/skipped_steps"] if steps else 1.0  # no samples: no update
     return result
 
 

@@ -32,7 +32,8 @@ def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
         "critic/score/mean": total[0] / count,
         "response_length/mean": total[1] / count,
         "response_length/clip_ratio": total[2] / count,
-        "response_length/max": engine.dp_all_reduce(lengths.max(), dist.ReduceOp.MAX).item(),
+        "response_length/max": engine.dp_all_reduce(lengths.max() if samples else torch.tensor(0.0),
+                                                    dist.ReduceOp.MAX).item(),
     }
     if total[6] > 0:  # tokens with both log-probs
         metrics["rollout_corr/abs_logprob_diff"] = total[4] / total[6]
@@ -62,7 +63,8 @@ class MetricsLog:
     """metrics.jsonl in the output dir, plus trainer.logger's console line, TensorBoard, wandb (rank 0). A fresh
     run starts a fresh file; a resumed one keeps the rows up to its step (rows of steps it redoes would repeat)."""
 
-    CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("val", "val", "{:.3f}"),
+    CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("critic/score/all_mean", "score_all", "{:.3f}"),
+               ("val", "val", "{:.3f}"),
                ("actor/pg_loss", "pg_loss", "{:.4g}"), ("actor/entropy", "entropy", "{:.3f}"),
                ("actor/grad_norm", "grad_norm", "{:.3g}"), ("response_length/mean", "response_len", "{:.0f}"),
                ("rollout_corr/abs_logprob_diff", "mismatch", "{:.2g}"), ("timing_s/gen", "gen_s", "{:.1f}"),

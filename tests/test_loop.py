@@ -352,6 +352,21 @@ def test_a_sampler_and_a_loss_given_by_path_run_in_the_loop(model_dir, tasks, tm
     assert [row["actor/grad_norm"] for row in rows[1:]] == [0.0, 0.0] and rows[1]["actor/pg_loss"] == 0.0
 
 
+def test_dynamic_sampling_never_ends_a_run_whose_groups_all_agree(model_dir, tmp_path):
+    """A task every response masters (tests/constant_task.py: every reward the same) with dynamic sampling: no group
+    is informative, so each step says so in one line and skips its update, and the run goes on to its last step, its
+    validation and its HF export (exit 0); the console shows the score over every generated response."""
+    rows = train(model_dir, "unused", tmp_path, 2, "--data.task", os.path.join(HERE, "constant_task.py"),
+                 "--algorithm.filter_groups", "True", "--algorithm.max_num_gen_batches", "2",
+                 "--checkpoint.export_hf", "True")
+    assert [row["step"] for row in rows] == [0, 1, 2] and rows[-1]["val-core/constant/reward/mean@1"] == 1.0
+    assert [row["actor/skipped_steps"] for row in rows[1:]] == [1.0, 1.0]
+    assert [row["critic/score/all_mean"] for row in rows[1:]] == [1.0, 1.0]
+    assert LAST_STDOUT[0].count("found 0 of 8 groups whose rewards differ on a rank in 2 generation batches: "
+                                "no update") == 2
+    assert "score_all=1.000" in LAST_STDOUT[0] and list((tmp_path / "hf" / "step-2").glob("*.safetensors"))
+
+
 def test_help_works_with_plug_ins_given_by_path():
     """--help lists the flags a task and a loss given by path add (their modules are registered as imports are)."""
     result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--data.task",
@@ -419,7 +434,9 @@ def dynamic_sampling_run(train_set):
 def test_dynamic_sampling_keeps_only_mixed_groups_until_the_batch_is_full():
     """filter_groups: each generation batch is a fixed prompt slot of the step (resumable), only groups whose rewards
     differ are kept, the batch holds exactly train_batch_size groups, and the metrics count the batches and the
-    kept share. Without a mixed group within max_num_gen_batches the step stops with one line naming it."""
+    kept share, and the mean score over every generated response. Without a mixed group within max_num_gen_batches
+    the step has no groups to train on (the run goes on), or with stop_at_max_gen_batches (verl's) it stops with one
+    line naming the setting."""
     import loop
     from config import SettingError, parse_cli
 
@@ -431,10 +448,15 @@ def test_dynamic_sampling_keeps_only_mixed_groups_until_the_batch_is_full():
     assert ids == [401, 403, 405, 501, 503, 505]  # step 2 starts at slot (2 - 1) x 3 + 1 = 4, odd ids only
     assert len(rollout.response_ids) == len(scores) == 18 and scores[:3] == [1.0, 0.0, 0.0]
     assert all(len(set(scores[g:g + 3])) > 1 for g in range(0, 18, 3))
-    assert metrics == {"train/num_gen_batches": 2, "train/kept_group_ratio": 0.5}
+    assert metrics == {"train/num_gen_batches": 2, "train/kept_group_ratio": 0.5,
+                       "critic/score/all_mean": pytest.approx(2 / 3)}  # odd ids 1/3, even ones 1
     again = dynamic_sampling_run(Prompts())
     assert loop.sample_groups(cfg, 2, again)[0] == rollout and again.sampler.calls == run.sampler.calls
     agreeing = dynamic_sampling_run(Prompts())
     agreeing.train_set.batch = lambda slot, size: [([2 * i], str(2 * i)) for i in range(size)]  # all rewards agree
+    rollout, scores, metrics = loop.sample_groups(cfg, 1, agreeing)
+    assert rollout.response_ids == scores == [] and metrics["train/num_gen_batches"] == 3
+    assert metrics["train/kept_group_ratio"] == 0.0 and metrics["critic/score/all_mean"] == 1.0
+    cfg.algorithm.stop_at_max_gen_batches = True
     with pytest.raises(SettingError, match="algorithm.max_num_gen_batches=3: step 1 found 0 of 6 groups"):
         loop.sample_groups(cfg, 1, agreeing)
