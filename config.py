@@ -497,15 +497,19 @@ def _validate_model_dir(path: str, model_types: tuple[str, ...]) -> None:
 
 @contextlib.contextmanager
 def one_line_errors():
-    """A SettingError inside ends the process with its one line on stderr and exit code 2, no traceback."""
+    """A SettingError inside ends the process with its one line on stderr and exit code 2, no traceback; the line
+    also goes to the file TITAN_GRPO_REFUSAL names, if set (run.sh repeats it last after torchrun ends)."""
     try:
         yield
     except SettingError as error:
         print(f"titan-grpo: {error}", file=sys.stderr, flush=True)
+        if os.environ.get("TITAN_GRPO_REFUSAL"):
+            with open(os.environ["TITAN_GRPO_REFUSAL"], "a") as f:
+                f.write(f"titan-grpo: {error}\n")
         sys.exit(2)
 
 
-if __name__ == "__main__":  # run.sh's check before it starts several processes (WORLD_SIZE of them)
+if __name__ == "__main__":  # the settings alone (loop.py --check also checks the data, model and output dir)
     import config  # the module, not __main__: one SettingError class for both
 
     with config.one_line_errors():

@@ -18,6 +18,7 @@ def ground_truth_of(answer: str) -> str:
 
 
 HUB_SPLITS = {"train": "train", "val": "test"}  # the hub dataset's split for data.train_files / data.val_files
+FILE_FORMATS = (".csv", ".tsv", ".json", ".txt", ".arrow", ".xlsx")  # files, not hub names: refused by name
 
 
 @dataclass
@@ -34,6 +35,8 @@ def load_problems(source: str, split: str = "train", seed: int = 0) -> list[dict
     split "train" / "val"), in the source's order; ValueError naming the file and line for bad input."""
     if source.endswith((".jsonl", ".parquet")) and not os.path.isfile(source):
         raise ValueError(f"{source} does not exist")
+    if os.path.exists(source) and not source.endswith((".jsonl", ".parquet")) or source.endswith(FILE_FORMATS):
+        raise ValueError(f"{source} is no .jsonl or .parquet file; convert it, or give a hub dataset name")
     if source.endswith(".jsonl"):
         rows = _read_jsonl(source)
     elif source.endswith(".parquet"):
@@ -43,7 +46,11 @@ def load_problems(source: str, split: str = "train", seed: int = 0) -> list[dict
     else:  # a hub dataset name, e.g. openai/gsm8k (needs network)
         import datasets
 
-        rows = list(datasets.load_dataset(source, "main", split=HUB_SPLITS[split]))
+        try:
+            rows = list(datasets.load_dataset(source, "main", split=HUB_SPLITS[split]))
+        except Exception as error:  # offline, no such dataset, no "main" config: one line, not datasets' traceback
+            raise ValueError(f"{source} could not be loaded as a hub dataset ({type(error).__name__}: "
+                             f"{str(error).strip().splitlines()[0][:200]})") from None
     if not rows:
         raise ValueError(f"{source} has no rows")
     return [_problem_from_row(row, source, index) for index, row in enumerate(rows, 1)]

@@ -75,14 +75,23 @@ class Run:
     groups: OnPolicyGroups | offpolicy.OneStepOffPolicy | None = None  # where each step's groups come from
 
 
-def build_run(cfg: Config) -> Run:
-    """Check the config, the output dir and the data; then build the engine(s) and the sampler (synced)."""
+def check_inputs(cfg: Config):
+    """What a run refuses before any heavy work: the settings, the output dir (created, locked), the model dir and
+    the data; returns the task, tokenizer and prompt sets."""
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     lock_output_dir(cfg.trainer.output_dir)
     task = load_plugin("data.task", cfg.data.task)
     tokenizer = AutoTokenizer.from_pretrained(load_model_dir(cfg.model.path))
     train_set = PromptSet(load_data(cfg, task, "train"), task, tokenizer, cfg, "train")
-    val_set = PromptSet(load_data(cfg, task, "val"), task, tokenizer, cfg, "val")
+    if len(train_set.items) < cfg.data.train_batch_size:
+        log(f"data.train_batch_size={cfg.data.train_batch_size} is more than the {len(train_set.items)} training "
+            "prompts: each batch repeats prompts (the order is reshuffled on every pass)")
+    return task, tokenizer, train_set, PromptSet(load_data(cfg, task, "val"), task, tokenizer, cfg, "val")
+
+
+def build_run(cfg: Config) -> Run:
+    """Check the inputs (check_inputs); then build the engine(s) and the sampler (synced)."""
+    task, tokenizer, train_set, val_set = check_inputs(cfg)
     torch.manual_seed(cfg.trainer.seed)
     engine = TorchTitanEngineWithLMHead(cfg)
     ref_engine = build_reference(cfg) if cfg.algorithm.use_kl_loss else None
@@ -443,12 +452,17 @@ def build_reference(cfg: Config):
 
 
 def main(argv: list[str]) -> None:
-    """Train with the settings in argv; a bad setting ends the process with one line on stderr and exit code 2."""
+    """Train with the settings in argv (`--check` first: only check_inputs, as run.sh does before it starts several
+    processes); a bad input ends the process with one line on stderr and exit code 2."""
     quiet_known_noise()
+    check_only = argv[:1] == ["--check"]
     with one_line_errors():
-        cfg = parse_cli(argv)
+        cfg = parse_cli(argv[check_only:])
         os.environ.update(sampler_class(cfg).environment)  # before the sampler's package is imported
-        train(cfg)
+        if check_only:
+            check_inputs(cfg)
+        else:
+            train(cfg)
     if dist.is_initialized():  # vLLM's shutdown has already destroyed it
         dist.destroy_process_group()
 

@@ -131,8 +131,12 @@ def lock_output_dir(output_dir: str) -> None:
     global _output_dir_lock
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    os.makedirs(output_dir, exist_ok=True)
-    handle = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        handle = open(os.path.join(output_dir, ".lock"), "a+")
+    except OSError as error:  # e.g. under /proc, where the writability check passes for root
+        raise SettingError(f"trainer.output_dir={output_dir} cannot be created ({error.strerror}); "
+                           "pick another") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -36,11 +36,25 @@ else
 fi
 export VLLM_ENABLE_V1_MULTIPROCESSING=0  # vLLM's engine in the trainer's process: the sync copies weights in place
 
-launch() {  # one process: loop.py itself; several: check the settings once (one line, exit 2 if bad), then start them
+# torchrun, ending without its traceback where a rank refused its input (the rank has said why in one line)
+TORCHRUN='import os, sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+try:
+    main(sys.argv[1:])
+except ChildFailedError as error:
+    sys.exit(1 if os.path.getsize(os.environ["TITAN_GRPO_REFUSAL"]) else str(error))'
+
+launch() {  # one process: loop.py itself; several: check what a rank would refuse at start once, then start them
   if [ $(( NPROC * NNODES )) -eq 1 ]; then exec "$PY" loop.py "$@"; fi
-  WORLD_SIZE=$(( NPROC * NNODES )) "$PY" config.py "$@" || exit 2
+  # settings, model dir, data, output dir (writable, not locked: on the first node only) -> one line, exit 2
+  WORLD_SIZE=$(( NPROC * NNODES )) RANK=$(( NODE_RANK * NPROC )) "$PY" loop.py --check "$@" >/dev/null || exit $?
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # torchrun's own default, set here so that it prints no banner about it
-  exec "$PY" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node="$NPROC" loop.py "$@"
+  TITAN_GRPO_REFUSAL=$(mktemp); export TITAN_GRPO_REFUSAL; trap 'rm -f "$TITAN_GRPO_REFUSAL"' EXIT
+  local status=0
+  "$PY" -c "$TORCHRUN" "${LAUNCH[@]}" --nproc_per_node="$NPROC" loop.py "$@" || status=$?
+  if [ -s "$TITAN_GRPO_REFUSAL" ]; then head -n 1 "$TITAN_GRPO_REFUSAL" >&2; exit 2; fi  # the refusal, last
+  exit $status
 }
 
 if [ "$NUM_GPUS" -eq 0 ] && [ -z "${MODEL_PATH:-}" ]; then

@@ -12,9 +12,9 @@ from conftest import ROOT, free_port
 ONE_STEP = ["--trainer.total_training_steps", "1", "--trainer.val_before_train", "False"]
 
 
-def run_sh(out, env, *, wait=True):
+def run_sh(out, env, *, wait=True, extra=()):
     env = {**os.environ, "PYTHON": sys.executable, "NUM_GPUS": "0", "FSDP_SIZE": "2", "OUTPUT_DIR": str(out), **env}
-    process = subprocess.Popen(["bash", "run.sh", *ONE_STEP], cwd=ROOT, env=env, text=True,
+    process = subprocess.Popen(["bash", "run.sh", *ONE_STEP, *extra], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return finish(process, out) if wait else process
 
@@ -45,3 +45,34 @@ def test_a_bad_setting_stops_run_sh_with_one_line_before_it_starts_the_processes
     result = subprocess.run(["bash", "run.sh", "--rollout.n", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 2 and result.stderr == "titan-grpo: rollout.n=0 must be >= 1\n", result.stderr
+
+
+def test_run_sh_refuses_a_locked_output_dir_before_it_starts_the_processes(tmp_path):
+    """FSDP_SIZE=2 on CPU with OUTPUT_DIR held by another run: the check before torchrun (loop.py --check: settings,
+    model dir, data, output dir) says so in one line, exit 2; no process was started (no step ran)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, metrics; metrics.lock_output_dir(sys.argv[1]); "
+                               "print('locked', flush=True); time.sleep(600)", str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        env = {**os.environ, "PYTHON": sys.executable, "NUM_GPUS": "0", "FSDP_SIZE": "2", "OUTPUT_DIR": str(tmp_path)}
+        result = subprocess.run(["bash", "run.sh", *ONE_STEP], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=600)
+    finally:
+        holder.kill()
+    want = f"titan-grpo: trainer.output_dir={tmp_path} is in use by another run (pid {holder.pid})"
+    assert result.returncode == 2 and result.stderr.startswith(want) and result.stderr.count("\n") == 1, result.stderr
+    assert "step 1" not in result.stdout
+
+
+def test_a_refusal_only_a_rank_finds_ends_run_sh_with_that_line_last(tmp_path):
+    """FSDP_SIZE=2 on CPU, resuming with LoRA on into the checkpoint of a full fine-tuning run: the ranks find it at
+    load (after the check before torchrun passed); the launch ends with their one line last, exit 2, and no
+    traceback (torchrun's own included)."""
+    run_sh(tmp_path, {}, extra=["--checkpoint.save_freq", "1"])
+    env = {**os.environ, "PYTHON": sys.executable, "NUM_GPUS": "0", "FSDP_SIZE": "2", "OUTPUT_DIR": str(tmp_path)}
+    result = subprocess.run(["bash", "run.sh", *ONE_STEP, "--model.lora_rank", "4"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert last.startswith(f"titan-grpo: trainer.output_dir={tmp_path}: its checkpoint does not fit this model"), last

@@ -364,6 +364,7 @@ def test_dynamic_sampling_never_ends_a_run_whose_groups_all_agree(model_dir, tmp
     assert [row["critic/score/all_mean"] for row in rows[1:]] == [1.0, 1.0]
     assert LAST_STDOUT[0].count("found 0 of 8 groups whose rewards differ on a rank in 2 generation batches: "
                                 "no update") == 2
+    assert LAST_STDOUT[0].count("data.train_batch_size=8 is more than the 7 training prompts") == 1  # said once
     assert "score_all=1.000" in LAST_STDOUT[0] and list((tmp_path / "hf" / "step-2").glob("*.safetensors"))
 
 
@@ -397,6 +398,29 @@ def test_a_bad_setting_is_one_line_on_stderr_and_exit_2():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--rollout.n", "0"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2 and result.stderr == "titan-grpo: rollout.n=0 must be >= 1\n", result.stderr
+
+
+@pytest.mark.parametrize("case", ["csv_data", "output_dir_under_a_file", "output_dir_in_proc"])
+def test_bad_inputs_a_run_finds_at_start_are_one_line_and_exit_2(model_dir, tasks, tmp_path, case):
+    """A data file of a format the task does not read, an output dir under a regular file, and one under /proc (whose
+    creation fails for root too, though the writability check passes): exit 2, one line naming the setting, no
+    traceback, before the prompts (and so the engine) are built."""
+    (tmp_path / "data.csv").write_text("question,answer\n")
+    flags, want = {
+        "csv_data": (["--data.train_files", str(tmp_path / "data.csv")],
+                     f"titan-grpo: data.train_files: {tmp_path / 'data.csv'} is no .jsonl or .parquet file"),
+        "output_dir_under_a_file": (["--trainer.output_dir", str(tmp_path / "data.csv" / "run")],
+                                    f"titan-grpo: trainer.output_dir={tmp_path / 'data.csv' / 'run'} cannot be written"),
+        "output_dir_in_proc": (["--trainer.output_dir", "/proc/titan-grpo-run"],
+                               "titan-grpo: trainer.output_dir=/proc/titan-grpo-run cannot be created"),
+    }[case]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "loop.py"), "--model.path", model_dir,
+                             "--model.attn_type", "sdpa", "--model.dtype", "float32", "--rollout.name", "native",
+                             "--data.train_files", tasks, "--data.val_files", tasks, "--trainer.output_dir",
+                             str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "MASTER_PORT": str(free_port())})
+    assert result.returncode == 2 and result.stderr.startswith(want) and result.stderr.count("\n") == 1, result.stderr
+    assert "train:" not in result.stdout  # refused before the prompts were built, so before the engine
 
 
 class Prompts:
