@@ -1,5 +1,6 @@
-"""Synthetic single-digit arithmetic in GSM8K's format ("What is 3+4?" -> "7"), the CPU demo's task: GSM8K's
-prompt, reward and settings; the problems come from the seed (`data.train_files` / `val_files` are not read)."""
+"""Synthetic arithmetic in GSM8K's format ("What is 1+2?" -> "3"): GSM8K's prompt, reward and settings. The source
+(`data.train_files` / `val_files`) names the problem set: `sums`, the 9 sums a+b with a, b < 3 for both splits (the CPU
+demo: a tiny random model learns them in a minute), or `mixed`, 2000 seeded problems a op b (a, b in 0-9, op + - *)."""
 
 import random
 
@@ -12,7 +13,11 @@ PROBLEMS_PER_SPLIT = 2000
 
 
 def load_problems(source: str, split: str = "train", seed: int = 0) -> list[dict]:
-    """Seeded problems a op b with a, b in 0-9 and op in + - * (`source` unused; the loop seeds each split)."""
+    """The problem set `source` names (`sums` or `mixed`; the loop seeds each split)."""
+    if source == "sums":
+        return [{"question": f"What is {a}+{b}?", "ground_truth": str(a + b)} for a in range(3) for b in range(3)]
+    if source != "mixed":
+        raise ValueError(f"{source} is no problem set of the arithmetic task; use sums or mixed")
     rng = random.Random(seed)
     problems = []
     for _ in range(PROBLEMS_PER_SPLIT):

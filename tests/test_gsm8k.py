@@ -43,10 +43,14 @@ def test_prompt_and_synthetic_problems():
     messages = gsm8k.build_prompt("What is 2+3?")
     assert messages == [{"role": "user", "content":
                          'What is 2+3? Let\'s think step by step and output the final answer after "####".'}]
-    problems = arithmetic.load_problems("unused", seed=3)
-    assert problems == arithmetic.load_problems("unused", seed=3) != arithmetic.load_problems("unused", seed=4)
-    for p in problems:
+    problems = arithmetic.load_problems("mixed", seed=3)
+    assert problems == arithmetic.load_problems("mixed", seed=3) != arithmetic.load_problems("mixed", seed=4)
+    sums = arithmetic.load_problems("sums", split="val")
+    assert len(sums) == 9 and sums == arithmetic.load_problems("sums", split="train", seed=5)
+    for p in problems + sums:
         assert str(eval(p["question"][8:-1])) == p["ground_truth"]
+    with pytest.raises(ValueError, match="openai/gsm8k is no problem set of the arithmetic task; use sums or mixed"):
+        arithmetic.load_problems("openai/gsm8k")
 
 
 def test_verl_parquet_schema(tmp_path):
