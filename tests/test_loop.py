@@ -66,9 +66,10 @@ def test_gradient_is_independent_of_micro_batching_and_dp(model_dir, tmp_path):
         assert runs[name]["pg_loss"] == pytest.approx(want["pg_loss"], rel=1e-6, abs=1e-8), name
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [2])
 def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path, nproc):
-    """One process and FSDP=2: mean reward <= 0.1 over steps 1-3, >= 0.5 over steps 41-50.
+    """FSDP=2: mean reward <= 0.1 over steps 1-3, >= 0.5 over steps 41-50 (the one-process run is the CPU demo's
+    test in tests/test_launch.py: the same 9 sums and model, run.sh's settings, >= 0.6 over the last 10 steps).
 
     Seen (rollout.seed 7, constant LR): 0.078 -> 0.744 in one process, 0.044 -> 0.717 with FSDP=2. With rollout.seed 0 FSDP=2 collapsed onto answering "2" (0.38): a 9-problem toy has
     run-to-run variance, so the seed is fixed.
