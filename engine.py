@@ -7,6 +7,7 @@ log-probs and entropy of packed micro-batches (vocab sharded under TP, tokens un
 """
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -281,6 +282,10 @@ class TorchTitanEngine:
         self.lr_schedulers.step()
         return float(lr)
 
+    def checkpoint_folder(self, step: int) -> str:
+        """Where the DCP checkpoint of `step` is (or goes)."""
+        return os.path.join(self.checkpointer.folder, f"step-{step}")
+
     def save_checkpoint(self, step: int) -> None:
         """Write a DCP checkpoint (model, optimizer, LR schedule, step) for `step`; always writes."""
         self.trainer.step = step  # the GRPO step: what a resume reads back as loaded_step
@@ -351,6 +356,14 @@ class LocalLogits(NamedTuple):
 
 class TorchTitanEngineWithLMHead(TorchTitanEngine):
     """Adds causal-LM log-probs: `forward(tokens, positions, labels)` on packed micro-batches."""
+
+    @classmethod
+    def reference(cls, cfg: Config) -> "TorchTitanEngineWithLMHead":
+        """A frozen copy of the initial policy for the KL loss (its own output dir, no activation checkpointing)."""
+        ref_cfg = copy.deepcopy(cfg)
+        ref_cfg.trainer.output_dir = os.path.join(cfg.trainer.output_dir, "reference")
+        ref_cfg.activation_checkpoint.mode = "none"
+        return cls(ref_cfg)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,

@@ -9,7 +9,6 @@ then the micro-batches that the log-prob pass and the update share."""
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -19,16 +18,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 import grpo
 import offpolicy
-from config import (
-    Config, SettingError, algorithm_function, load_plugin, one_line_errors, parse_cli, sampler_class, validate,
-)
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, load_model_dir, pack, to_device
-from metrics import MetricsLog, lock_output_dir, log, perf_metrics, quiet_known_noise, rollout_metrics
-from prompts import PromptSet, eos_token_ids, load_data
+from config import Config, SettingError, algorithm_function, one_line_errors, parse_cli, sampler_class
+from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack, to_device
+from metrics import MetricsLog, log, perf_metrics, quiet_known_noise, rollout_metrics
+from prompts import PromptSet, check_inputs, eos_token_ids
 from rollout import Rollout, Sampler, build_rollout
 
 
@@ -40,7 +36,7 @@ def train(cfg: Config) -> dict[str, float]:
     first = run.engine.loaded_step + 1
     if first > 1:
         log(f"resumed from step {run.engine.loaded_step}")
-        run.groups.load(checkpoint_folder(run.engine, run.engine.loaded_step))
+        run.groups.load(run.engine.checkpoint_folder(run.engine.loaded_step))
     if cfg.trainer.val_before_train and first == 1:
         metrics_log.write(0, run_validation(cfg, run))
     metrics, saved, exported = {}, None, None
@@ -52,7 +48,7 @@ def train(cfg: Config) -> dict[str, float]:
         metrics_log.write(step, metrics)  # before the checkpoint: a resume from it never lacks this row
         if cfg.checkpoint.save_freq > 0 and (step % cfg.checkpoint.save_freq == 0 or last):  # verl saves the last
             run.engine.save_checkpoint(step)
-            saved = checkpoint_folder(run.engine, step)
+            saved = run.engine.checkpoint_folder(step)
             run.groups.save(saved)
     if cfg.checkpoint.export_hf and cfg.trainer.total_training_steps >= first:
         exported = run.engine.export_hf(cfg.trainer.total_training_steps)
@@ -78,26 +74,12 @@ class Run:
     groups: OnPolicyGroups | offpolicy.OneStepOffPolicy | None = None  # where each step's groups come from
 
 
-def check_inputs(cfg: Config):
-    """What a run refuses before any heavy work: the settings, the output dir (created, locked), the model dir and
-    the data; returns the task, tokenizer and prompt sets."""
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    lock_output_dir(cfg.trainer.output_dir)
-    task = load_plugin("data.task", cfg.data.task)
-    tokenizer = AutoTokenizer.from_pretrained(load_model_dir(cfg.model.path))
-    train_set = PromptSet(load_data(cfg, task, "train"), task, tokenizer, cfg, "train")
-    if len(train_set.items) < cfg.data.train_batch_size:
-        log(f"data.train_batch_size={cfg.data.train_batch_size} is more than the {len(train_set.items)} training "
-            "prompts: each batch repeats prompts (the order is reshuffled on every pass)")
-    return task, tokenizer, train_set, PromptSet(load_data(cfg, task, "val"), task, tokenizer, cfg, "val")
-
-
 def build_run(cfg: Config) -> Run:
     """Check the inputs (check_inputs); then build the engine(s) and the sampler (synced)."""
     task, tokenizer, train_set, val_set = check_inputs(cfg)
     torch.manual_seed(cfg.trainer.seed)
     engine = TorchTitanEngineWithLMHead(cfg)
-    ref_engine = build_reference(cfg) if cfg.algorithm.use_kl_loss else None
+    ref_engine = TorchTitanEngineWithLMHead.reference(cfg) if cfg.algorithm.use_kl_loss else None
     sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))  # holds the trainer's weights
     run = Run(engine, ref_engine, task, tokenizer, train_set, val_set, sampler)
     run.groups = OnPolicyGroups(cfg, run)
@@ -220,10 +202,6 @@ def local_groups(cfg: Config, slot: int, run: Run) -> tuple[Rollout, list[float]
     rollout = run.sampler.generate([ids for ids, _ in prompts], cfg.rollout.n, seed=step_seed(cfg, slot, run.engine),
                                    logprob_samples=rollout_logprob_samples(cfg))
     return rollout, score(cfg, run, rollout.response_ids, [truth for _, truth in prompts for _ in range(cfg.rollout.n)])
-
-
-def checkpoint_folder(engine, step: int) -> str:
-    return os.path.join(engine.checkpointer.folder, f"step-{step}")
 
 
 def score(cfg: Config, run: Run, response_ids: list[list[int]], truths: list[str]) -> list[float]:
@@ -446,14 +424,6 @@ def grpo_loss_fn(cfg: Config, global_tokens: float, global_seqs: float):
 
 
 # ----------------------------------------------------------------------------- reference and entry point
-def build_reference(cfg: Config):
-    """A frozen copy of the initial policy for the KL loss (built only when the loss is on)."""
-    ref_cfg = copy.deepcopy(cfg)
-    ref_cfg.trainer.output_dir = os.path.join(cfg.trainer.output_dir, "reference")
-    ref_cfg.activation_checkpoint.mode = "none"
-    return TorchTitanEngineWithLMHead(ref_cfg)
-
-
 def main(argv: list[str]) -> None:
     """Train with the settings in argv (`--check` first: only check_inputs, as run.sh does before it starts several
     processes); a bad input ends the process with one line on stderr and exit code 2."""

@@ -1,13 +1,30 @@
-"""A task's problems as tokenized chat prompts: `load_data` (the task's loader, bad data one line naming the
-setting), `PromptSet` (a resumable order of prompt batches) and the model's EOS ids."""
+"""What a run reads before any heavy work (`check_inputs`: settings, output dir, model dir, data) and a task's problems
+as tokenized chat prompts: `load_data` (the task's loader, bad data one line naming the setting), `PromptSet` (a
+resumable order of prompt batches) and the model's EOS ids."""
 
 import json
 import os
 
 import torch
+from transformers import AutoTokenizer
 
-from config import Config, SettingError
-from metrics import log
+from config import Config, SettingError, load_plugin, validate
+from engine import load_model_dir
+from metrics import lock_output_dir, log
+
+
+def check_inputs(cfg: Config):
+    """What a run refuses before any heavy work: the settings, the output dir (created, locked), the model dir and
+    the data; returns the task, tokenizer and prompt sets."""
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    lock_output_dir(cfg.trainer.output_dir)
+    task = load_plugin("data.task", cfg.data.task)
+    tokenizer = AutoTokenizer.from_pretrained(load_model_dir(cfg.model.path))
+    train_set = PromptSet(load_data(cfg, task, "train"), task, tokenizer, cfg, "train")
+    if len(train_set.items) < cfg.data.train_batch_size:
+        log(f"data.train_batch_size={cfg.data.train_batch_size} is more than the {len(train_set.items)} training "
+            "prompts: each batch repeats prompts (the order is reshuffled on every pass)")
+    return task, tokenizer, train_set, PromptSet(load_data(cfg, task, "val"), task, tokenizer, cfg, "val")
 
 
 class PromptSet:
