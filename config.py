@@ -241,8 +241,10 @@ def algorithm_settings(setting: str, name: str) -> list[tuple]:
     if name in BUILT_IN[setting] or not (name.endswith(".py") or importable(name)):
         return []
     settings = getattr(load_plugin(setting, name), "Settings", None)
+    if settings is None:
+        return []
     return [(f.name, f.type, field(default=f.default) if f.default is not dataclasses.MISSING
-             else field(default_factory=f.default_factory)) for f in dataclasses.fields(settings)] if settings else []
+             else field(default_factory=f.default_factory)) for f in dataclasses.fields(settings)]
 
 
 def algorithm_function(setting: str, name: str):
@@ -253,6 +255,7 @@ def algorithm_function(setting: str, name: str):
 
 
 def load_algorithm_plugin(setting: str, name: str):
+    """The module an algorithm setting names (a .py path or an importable module), else a one-line SettingError."""
     if not (name.endswith(".py") or importable(name)):
         raise SettingError(f"{setting}={name!r} is unknown; use one of {tuple(BUILT_IN[setting])} or a module / .py "
                            f"path providing {PLUGIN_API[setting][0]}")

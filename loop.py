@@ -82,11 +82,12 @@ def build_run(cfg: Config) -> Run:
     ref_engine = TorchTitanEngineWithLMHead.reference(cfg) if cfg.algorithm.use_kl_loss else None
     sampler = build_rollout(cfg, engine, eos_token_ids(engine.model_dir, tokenizer))  # holds the trainer's weights
     run = Run(engine, ref_engine, task, tokenizer, train_set, val_set, sampler)
-    run.groups = OnPolicyGroups(cfg, run)
     if cfg.trainer.one_step_off_policy:
         run.groups = offpolicy.OneStepOffPolicy(lambda slot: local_groups(cfg, slot, run),
                                                 lambda groups: share_within_model_parallel(engine, groups),
                                                 cfg.trainer.total_training_steps, engine.device)
+    else:
+        run.groups = OnPolicyGroups(cfg, run)
     return run
 
 
