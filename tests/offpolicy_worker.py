@@ -1,8 +1,7 @@
 """Run under torchrun (or alone): three one-step off-policy GRPO steps with vLLM (float32 CPU) on arithmetic
 prompts. For each step's samples: the largest difference between their rollout log-probs and the engine's under
 the weights of one update before the step's start, and under the step's starting weights; the seeds of the
-generate calls; what is left running after the last step; whether the trainer thread's torch and numpy RNG states are
-what they were before each step.
+generate calls; what is left running after the last step.
 
     torchrun --nproc_per_node=N tests/offpolicy_worker.py OUT.pt MODEL_DIR DATA.jsonl [--section.field value ...]
 """
@@ -10,7 +9,6 @@ what they were before each step.
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,12 +62,9 @@ def main():
     run.sampler.generate = counted_generate
     run.groups.take = lambda *args: taken.append(take(*args)) or taken[-1]
     weights = [snapshot(run.engine)]  # weights[k]: after k updates
-    result = {"drawn_by": [], "step_start": [], "staleness": [], "rng_kept": []}
+    result = {"drawn_by": [], "step_start": [], "staleness": []}
     for step in range(1, STEPS + 1):
-        rng = torch.get_rng_state(), np.random.get_state()[1].copy()
-        metrics = loop.train_step(cfg, step, run)  # generates the next step's groups on the background thread
-        result["rng_kept"].append(torch.equal(rng[0], torch.get_rng_state())
-                                  and np.array_equal(rng[1], np.random.get_state()[1]))
+        metrics = loop.train_step(cfg, step, run)
         weights.append(snapshot(run.engine))
         rollout, _, _ = taken[-1]
         samples = [loop.Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]
