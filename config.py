@@ -2,7 +2,7 @@
 
 Sections mirror torchtitan where they overlap; defaults follow verl's GSM8K GRPO recipe. `data.task` and
 `model.family` name plug-in modules; the task's `Settings` is the `reward` section. `validate` rejects bad input
-with a one-line `SettingError` before any heavy work; `python config.py FLAGS` runs that check alone.
+with a one-line `SettingError` before any heavy work (`python loop.py --check FLAGS` runs the checks alone).
 """
 
 import argparse
@@ -510,10 +510,3 @@ def one_line_errors():
             with open(os.environ["TITAN_GRPO_REFUSAL"], "a") as f:
                 f.write(f"titan-grpo: {error}\n")
         sys.exit(2)
-
-
-if __name__ == "__main__":  # the settings alone (loop.py --check also checks the data, model and output dir)
-    import config  # the module, not __main__: one SettingError class for both
-
-    with config.one_line_errors():
-        config.validate(config.parse_cli(sys.argv[1:]), int(os.environ.get("WORLD_SIZE", "1")))

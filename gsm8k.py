@@ -35,7 +35,7 @@ def load_problems(source: str, split: str = "train", seed: int = 0) -> list[dict
     split "train" / "val"), in the source's order; ValueError naming the file and line for bad input."""
     if source.endswith((".jsonl", ".parquet")) and not os.path.isfile(source):
         raise ValueError(f"{source} does not exist")
-    if os.path.exists(source) and not source.endswith((".jsonl", ".parquet")) or source.endswith(FILE_FORMATS):
+    if (os.path.isfile(source) and not source.endswith((".jsonl", ".parquet"))) or source.endswith(FILE_FORMATS):
         raise ValueError(f"{source} is no .jsonl or .parquet file; convert it, or give a hub dataset name")
     if source.endswith(".jsonl"):
         rows = _read_jsonl(source)

@@ -40,7 +40,8 @@ def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
 
 
 def test_a_bad_setting_stops_run_sh_with_one_line_before_it_starts_the_processes(tmp_path):
-    """FSDP_SIZE=2 on CPU: run.sh checks the settings once (config.py) before torchrun would start two processes."""
+    """FSDP_SIZE=2 on CPU: run.sh checks the settings once (loop.py --check) before torchrun would start two
+    processes."""
     env = {**os.environ, "PYTHON": sys.executable, "NUM_GPUS": "0", "FSDP_SIZE": "2", "OUTPUT_DIR": str(tmp_path)}
     result = subprocess.run(["bash", "run.sh", "--rollout.n", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
