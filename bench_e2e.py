@@ -4,6 +4,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): ev
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
+        [--also "NAME:--trainer.one_step_off_policy True OMP_NUM_THREADS=1"]  # one more run: flags, environment
     python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's LoRA path vs the merged sync
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
@@ -11,13 +12,14 @@ For each generate it also reports the seconds of Python's cycle collector and th
 """
 
 import argparse
-import dataclasses
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -25,7 +27,7 @@ import torch
 import loop
 import lora
 from bench import QWEN3_0P6B, QWEN3_8B, HostClock, Timer
-from config import parse_cli
+from config import parse_cli, sampler_class
 from tiny import write_model_dir
 
 
@@ -43,6 +45,51 @@ class ClockedSampler:
         return getattr(self.sampler, name)
 
 
+class StepClock:
+    """While entered (a step): CPU seconds of the trainer's thread, of this process's other threads (the generation
+    ahead, torch's intra-op pool), of vLLM's own processes; and the GPU's busy share (NVML's utilization: the share of time a kernel ran,
+    sampled every 0.1 s). Where the time goes when the two sides overlap."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        self.trainer_s, self.process_s, self.engine_s = -time.thread_time(), -time.process_time(), -engine_cpu_s()
+        self.busy, self._stop = [], threading.Event()
+        self._poller = threading.Thread(target=self._poll, daemon=True)
+        if self.device == "cuda":
+            self._poller.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            self.busy.append(torch.cuda.utilization())
+
+    def __exit__(self, *_):
+        self._stop.set()
+        if self._poller.is_alive():
+            self._poller.join()
+        self.trainer_s += time.thread_time()
+        self.process_s += time.process_time()
+        self.engine_s += engine_cpu_s()
+
+    def report(self) -> dict:
+        return {"cpu_trainer_s": self.trainer_s, "cpu_threads_s": self.process_s - self.trainer_s,
+                "cpu_engine_s": self.engine_s, "gpu_busy": sum(self.busy) / max(len(self.busy), 1) / 100}
+
+
+def engine_cpu_s() -> float:
+    """CPU seconds of this process's children (vLLM's engine core and workers, where they run apart)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 OFF_POLICY_PHASES = ("gen", "gen_ahead", "old_log_prob", "update_actor", "wait_rollout", "update_weights", "step")
 
@@ -52,16 +99,20 @@ def e2e(args, loop_flags: list[str]) -> dict:
     (no log-probs, no detokenization, one seed: the least the engine can do) and the loop's generate, and the
     weight sync in parts."""
     cfg = parse_cli(["--model.path", args.model_dir, "--model.random_init", "True", *loop_flags])
+    os.environ.update(sampler_class(cfg).environment)  # as loop.main
     run = loop.build_run(cfg)
-    clocked = dataclasses.replace(run, sampler=ClockedSampler(run.sampler))
+    run.sampler = ClockedSampler(run.sampler)  # in place: the run's groups source generates through run.sampler
     report = {"flags": loop_flags, "steps": []}
     for step in range(1, args.steps + 1):
         unfrozen = len(gc.get_objects())  # what a full collection walks
-        metrics = loop.train_step(cfg, step, clocked)
-        clock = clocked.sampler.clock
-        report["steps"].append({"step": step, **metrics, "unfrozen_objects": unfrozen, **clock.report("gen_")})
+        with StepClock(args.device) as step_clock:
+            metrics = loop.train_step(cfg, step, run)
+        clock = run.sampler.clock
+        report["steps"].append({"step": step, **metrics, "unfrozen_objects": unfrozen, **clock.report("gen_"),
+                                **step_clock.report()})
         print(" ".join(f"{k}={metrics[f'timing_s/{k}']:.2f}" for k in PHASES) + f" gen: collector "
               f"{sum(clock.seconds):.2f} s {clock.runs}, CPU {clock.cpu_s:.1f} s; unfrozen {unfrozen}", flush=True)
+    run.sampler = run.sampler.sampler  # the rest times vLLM itself
     if args.steps_only:
         run.sampler.close()
         return report
@@ -220,39 +271,51 @@ def sync_parts(engine, sampler, device: str) -> dict:
     return parts
 
 
+HOST = ("cpu_trainer_s", "cpu_threads_s", "cpu_engine_s")
+
+
 def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
-    print(f"\n{'step':<6}" + "".join(f"{p:>15}" for p in phases) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}")
+    print(f"\n{'step':<6}" + "".join(f"{p:>15}" for p in phases) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}"
+          + "".join(f"{h:>15}" for h in HOST) + f"{'gpu_busy':>10}")
     for row in rows:
         print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>15.2f}" for p in phases)
               + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}"
               f"{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
-              f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}")
+              f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}"
+              + "".join(f"{row.get(h, float('nan')):>15.2f}" for h in HOST) + f"{row.get('gpu_busy', float('nan')):>10.0%}")
 
 
 def compare_off_policy(args, loop_flags: list[str]) -> dict:
-    """The steps synchronous and with trainer.one_step_off_policy (same prompts and seeds), each in a fresh process
-    of this script; the mean step after the first (which compiles, and which the off-policy mode generates
-    synchronously) of each, and their ratio."""
+    """The steps synchronous, with trainer.one_step_off_policy, and with each --also variant (same prompts and seeds),
+    each in a fresh process of this script; the mean step after the first (which compiles, and which the off-policy
+    mode generates synchronously) of each, and its ratio to the synchronous one."""
     modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True"]}
+    modes.update(variant.split(":", 1) for variant in args.also)
     report = {}
-    for mode, flags in modes.items():
+    for mode, spec in modes.items():
+        words = spec if isinstance(spec, list) else spec.split()
+        env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))  # KEY=VALUE: environment
+        flags = [w for w in words if not ("=" in w and not w.startswith("-"))]
         out = tempfile.mkdtemp(prefix=f"bench_e2e_{mode}_")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--steps-only",
                         "--shape", args.shape,
                         "--model-dir", args.model_dir, "--out", f"{out}/e2e.json", *(["--quick"] if args.quick else []),
                         "--", *loop_flags, "--rollout.free_cache_engine", "False", *flags,
-                        "--trainer.output_dir", f"{out}/run"], check=True)
+                        "--trainer.output_dir", f"{out}/run"], check=True, env={**os.environ, **env})
         with open(f"{out}/e2e.json") as f:
             report[mode] = json.load(f)
         rows = report[mode]["steps"]
-        report[mode]["mean_step_s"] = sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1)
+        report[mode].update(spec=spec, mean_step_s=sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1))
+    sync_s = report["synchronous"]["mean_step_s"]
     for mode in modes:
-        print(f"\n{mode}:", end="")
-        print_steps(report[mode]["steps"], OFF_POLICY_PHASES if modes[mode] else PHASES)
-    sync_s, off_s = (report[mode]["mean_step_s"] for mode in modes)
-    report["ratio"] = off_s / sync_s
-    print(f"one-step off-policy: step {off_s:.2f} s against {sync_s:.2f} s synchronous (mean of steps 2-{args.steps}):"
-          f" {off_s / sync_s:.2f}x")
+        rows = report[mode]["steps"]
+        print(f"\n{mode} ({' '.join(modes[mode]) if isinstance(modes[mode], list) else modes[mode]}):", end="")
+        print_steps(rows, OFF_POLICY_PHASES if "timing_s/gen_ahead" in rows[-1] else PHASES)
+        report[mode]["ratio"] = report[mode]["mean_step_s"] / sync_s
+    for mode in list(modes)[1:]:
+        print(f"{mode}: step {report[mode]['mean_step_s']:.2f} s against {sync_s:.2f} s synchronous (mean of steps "
+              f"2-{args.steps}): {report[mode]['ratio']:.2f}x")
+    report["ratio"] = report["one_step_off_policy"]["ratio"]
     return report
 
 
@@ -289,12 +352,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=("0.6b", "8b"), default="0.6b", help="Qwen3 shapes (random weights)")
     parser.add_argument("--one-step-off-policy", action="store_true",
                         help="the steps synchronous and one-step off-policy, each in its own process, and their ratio")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME:ARGS",
+                        help="with --one-step-off-policy, one more run: loop flags and KEY=VALUE environment in ARGS")
     parser.add_argument("--steps-only", action="store_true", help="no vLLM reference rounds, no sync parts")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, loop_flags = parser.parse_args(argv[:split]), argv[split + 1:]
     args.device = "cpu" if args.quick else "cuda"
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as loop.main: vLLM's engine in this process
     shapes = QUICK if args.quick else {"0.6b": QWEN3_0P6B, "8b": QWEN3_8B}[args.shape]
     args.model_dir = write_model_dir(args.model_dir or tempfile.mkdtemp(prefix="bench_model_"), shapes, "qwen3", None)
     report = compare_off_policy(args, loop_flags) if args.one_step_off_policy else e2e(args, loop_flags)

@@ -35,7 +35,7 @@ PLUGIN_API = {  # what a task module and a model-family module provide (README: 
     "algorithm.loss_mode": ("policy_loss",),  # as grpo.POLICY_LOSSES's; optional `Settings` (--algorithm.*)
 }
 BUILT_IN = {"algorithm.adv_estimator": grpo.ADVANTAGE_ESTIMATORS, "algorithm.loss_mode": grpo.POLICY_LOSSES}
-SAMPLERS = {"vllm": "rollout", "native": "native"}  # built-in rollout.name -> its module
+SAMPLERS = {"vllm": "rollout", "vllm_process": "vllm_process", "native": "native"}  # built-in rollout.name -> its module
 
 
 class SettingError(ValueError):
@@ -74,7 +74,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "vllm"  # vllm: colocated engine; native: the trainer's own model; or a sampler module / .py path
+    # vllm: colocated engine in this process; vllm_process: its engine core in a process of its own (one trainer
+    # process; CUDA IPC sync); native: the trainer's own model; or a sampler module / .py path
+    name: str = "vllm"
     n: int = 5  # responses per prompt (GRPO group size)
     temperature: float = 1.0  # sampling temperature (also applied to training log-probs)
     top_p: float = 1.0  # nucleus sampling mass (1.0: off)
@@ -330,6 +332,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SettingError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide "
                            f"tensor_parallel_degree x context_parallel_degree = {model_parallel}: a vLLM TP group must "
                            "hold only ranks that share one batch; set it to a divisor of that product")
+    if sampler_class(cfg).one_trainer_process and world_size > 1:
+        raise SettingError(f"rollout.name={cfg.rollout.name} runs one engine beside one trainer process (world size "
+                           f"{world_size}); use --rollout.name vllm")
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
         raise SettingError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
                            "(torchtitan has no varlen CP); use flex")

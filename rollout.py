@@ -33,6 +33,7 @@ class Sampler(Protocol):
     environment: dict[str, str]  # environment variables the entry point sets before building it
     uses_rollout_tp: bool  # it runs rollout.tensor_parallel_size-rank groups (the size must divide TP x CP)
     generates_beside_the_trainer: bool  # it holds weights of its own: it can generate while the trainer updates
+    one_trainer_process: bool  # it serves one trainer process only (world size 1)
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
                  logprob_samples: int | None = None) -> Rollout: ...
@@ -56,11 +57,12 @@ class VLLMRollout:
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine in this process: the sync copies in place
     uses_rollout_tp = True
     generates_beside_the_trainer = True
+    one_trainer_process = False
 
     def __init__(self, cfg: Config, engine, eos_token_ids: list[int] | None = None):
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # the entry point sets `environment`
-            raise RuntimeError("rollout.name=vllm needs vLLM's engine in this process, where the sync copies weights "
-                               "in place: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before starting")
+        wrong = {k: v for k, v in self.environment.items() if os.environ.get(k) != v}
+        if wrong:  # the entry point sets `environment` before vLLM is imported
+            raise RuntimeError(f"rollout.name={cfg.rollout.name} needs {wrong} in the environment before starting")
         try:
             from vllm import LLM
         except ImportError as error:
@@ -79,6 +81,7 @@ class VLLMRollout:
             max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
             enable_sleep_mode=on_gpu and r.free_cache_engine, seed=r.seed + dist.get_rank() // r.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+            **self.engine_options(on_gpu),
         )
         self.sleeping = False
         # a dense model on a GPU computes with its weights as loaded: copying into them is all a sync needs
@@ -100,7 +103,8 @@ class VLLMRollout:
         requests = [(prompt, params) for prompt in prompt_ids for params in per_prompt]
         with self.seeded(seed):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests],
-                                        [params for _, params in requests], use_tqdm=dist.get_rank() == 0)
+                                        self.request_params([params for _, params in requests], seed),
+                                        use_tqdm=dist.get_rank() == 0)
         rollout = Rollout([], [], [], [])
         for (prompt, params), output in zip(requests, outputs):
             for sample in output.outputs:
@@ -109,6 +113,10 @@ class VLLMRollout:
                 rollout.logprobs.append(list(sample.logprobs.logprobs) if params.logprobs is not None else None)
                 rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
         return rollout
+
+    def engine_options(self, on_gpu: bool) -> dict:
+        """Further keywords for vLLM's LLM (none for the in-process engine)."""
+        return {}
 
     @contextlib.contextmanager
     def seeded(self, seed: int):
@@ -123,6 +131,10 @@ class VLLMRollout:
                 yield
             finally:
                 np.random.set_state(numpy_state)
+
+    def request_params(self, params: list, seed: int) -> list:
+        """Each request's SamplingParams: as built (seeded() seeds the whole call)."""
+        return params
 
     def _params(self, n: int, greedy: bool, logprobs: bool):
         from vllm import SamplingParams

@@ -1,7 +1,8 @@
 """Run under torchrun (or alone): three one-step off-policy GRPO steps with vLLM (float32 CPU) on arithmetic
 prompts. For each step's samples: the largest difference between their rollout log-probs and the engine's under
 the weights of one update before the step's start, and under the step's starting weights; the seeds of the
-generate calls; what is left running after the last step.
+generate calls; what is left running after the last step; whether the trainer thread's torch and numpy RNG states are
+what they were before each step.
 
     torchrun --nproc_per_node=N tests/offpolicy_worker.py OUT.pt MODEL_DIR DATA.jsonl [--section.field value ...]
 """
@@ -9,13 +10,14 @@ generate calls; what is left running after the last step.
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import loop  # noqa: E402
-from config import parse_cli  # noqa: E402
+from config import parse_cli, sampler_class  # noqa: E402
 
 STEPS = 3
 
@@ -51,6 +53,7 @@ def main():
         "--data.max_prompt_length", "64", "--optimizer.lr", "2e-2", "--reward.method", "flexible",
         "--algorithm.entropy_coeff", "1.0",  # a gradient whatever the rewards: the weights change every step
         "--trainer.total_training_steps", str(STEPS), *extra])
+    os.environ.update(sampler_class(cfg).environment)  # as loop.main
     run = loop.build_run(cfg)
     seeds, taken = [], []
     generate, take = run.sampler.generate, run.groups.take
@@ -62,9 +65,12 @@ def main():
     run.sampler.generate = counted_generate
     run.groups.take = lambda *args: taken.append(take(*args)) or taken[-1]
     weights = [snapshot(run.engine)]  # weights[k]: after k updates
-    result = {"drawn_by": [], "step_start": [], "staleness": []}
+    result = {"drawn_by": [], "step_start": [], "staleness": [], "rng_kept": []}
     for step in range(1, STEPS + 1):
-        metrics = loop.train_step(cfg, step, run)
+        rng = torch.get_rng_state(), np.random.get_state()[1].copy()
+        metrics = loop.train_step(cfg, step, run)  # generates the next step's groups on the background thread
+        result["rng_kept"].append(torch.equal(rng[0], torch.get_rng_state())
+                                  and np.array_equal(rng[1], np.random.get_state()[1]))
         weights.append(snapshot(run.engine))
         rollout, _, _ = taken[-1]
         samples = [loop.Sample(p, r, lp) for p, r, lp in zip(rollout.prompt_ids, rollout.response_ids, rollout.logprobs)]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from config import parse_cli, validate  # noqa: E402
+from config import parse_cli, sampler_class, validate  # noqa: E402
 from engine import TorchTitanEngineWithLMHead  # noqa: E402
 from loop import Sample, compute_logprobs, share_within_model_parallel  # noqa: E402
 from rollout import build_rollout  # noqa: E402
@@ -72,6 +72,7 @@ def main():
                      "--rollout.temperature", str(TEMPERATURE), "--optimizer.lr", "5e-2",
                      "--rollout.gpu_memory_utilization", "0.1", *extra])
     validate(cfg, int(os.environ["WORLD_SIZE"]))
+    os.environ.update(sampler_class(cfg).environment)  # as loop.main
     engine = TorchTitanEngineWithLMHead(cfg)
     sampler = build_rollout(cfg, engine, [EOS])
     checks = []
@@ -88,7 +89,9 @@ def main():
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()
-    sampler.close()  # destroys the default process group, as at the end of loop.train
+    sampler.close()  # an in-process vLLM's teardown destroys the default process group, as at the end of loop.train
+    if cfg.rollout.name == "vllm_process":  # an engine in its own process leaves it
+        dist.destroy_process_group()
     assert not dist.is_initialized()
 
 

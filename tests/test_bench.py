@@ -2,9 +2,13 @@
 
 import gc
 import json
+import subprocess
+import sys
+import threading
 import time
 
 from bench import HostClock
+from bench_e2e import StepClock
 from bench_trace import read_trace
 
 
@@ -18,6 +22,33 @@ def test_host_clock_counts_the_collections_and_the_cpu_time_inside_it():
     gc.collect()  # after the block: not counted
     assert clock.runs[2] == 1 and clock.seconds[2] > 0
     assert clock.cpu_s >= 0.2
+
+
+def spin(cpu_seconds: float) -> None:
+    """Keep this thread's CPU busy for cpu_seconds of its own CPU time."""
+    until = time.thread_time() + cpu_seconds
+    while time.thread_time() < until:
+        pass
+
+
+def test_step_clock_tells_the_trainer_thread_from_other_threads_and_child_processes():
+    """CPU seconds land where they were spent: this thread, another thread of the process, a child process."""
+    child = subprocess.Popen([sys.executable, "-c", "import time\nuntil = time.process_time() + 0.6\n"
+                              "while time.process_time() < until: pass\ntime.sleep(5)"])
+    try:
+        with StepClock("cpu") as clock:
+            other = threading.Thread(target=spin, args=(0.4,))
+            other.start()
+            spin(0.2)
+            other.join()
+            time.sleep(1.5)  # the child's 0.6 s (on another core, or after these)
+    finally:
+        child.kill()
+    report = clock.report()
+    assert 0.2 <= report["cpu_trainer_s"] < 0.35, report
+    assert 0.4 <= report["cpu_threads_s"] < 0.55, report
+    assert 0.5 <= report["cpu_engine_s"] < 0.8, report  # the child's start-up too (before the clock: not counted)
+    assert report["gpu_busy"] == 0.0
 
 
 def test_read_trace_sums_kernel_time_by_kind_and_the_idle_gaps(tmp_path, capsys):

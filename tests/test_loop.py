@@ -213,21 +213,26 @@ def offpolicy_worker(nproc, out, model_dir, data, *flags):
 @pytest.mark.parametrize("layout", [
     ["--parallelism.data_parallel_shard_degree", "1"], ["--parallelism.data_parallel_shard_degree", "2"],
     ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
-], ids=["one_process", "fsdp2", "tp2"])
+    ["--parallelism.data_parallel_shard_degree", "1", "--rollout.name", "vllm_process"],
+], ids=["one_process", "fsdp2", "tp2", "engine_in_its_own_process"])
 def test_one_step_off_policy_trains_on_samples_of_the_weights_one_update_older(tmp_path_factory, tasks, tmp_path,
                                                                                layout):
     """One process, FSDP=2 and TP=2 (the TP peers train on their first peer's groups), three steps: the samples a
     step trains on carry rollout log-probs equal to the engine's under the weights one update older than the step's
     start (< 1e-4) and unlike the start weights' (> 1e-2); the first step draws its own (staleness 0); every step's
-    prompt slot is generated once (the last step starts no generation), and nothing is left in flight."""
+    prompt slot is generated once (the last step starts no generation), and nothing is left in flight. With vLLM's
+    engine core in its own process (rollout.name=vllm_process), the trainer thread's RNG states are the same after each
+    step as before it: the generation beside the update seeds only the engine's process."""
     pytest.importorskip("vllm")
     model_dir = make_tiny_qwen3(str(tmp_path_factory.mktemp("off_policy")), layers=2, hidden=128, heads=2, kv_heads=2)
-    nproc = 1 if layout == ["--parallelism.data_parallel_shard_degree", "1"] else 2
+    nproc = 2 if "2" in layout else 1
     got = offpolicy_worker(nproc, tmp_path / "off.pt", model_dir, tasks, *layout)
     assert max(got["drawn_by"]) < 1e-4, got
     assert min(got["step_start"][1:]) > 1e-2, got
     assert got["staleness"] == [0.0, 1.0, 1.0]
     assert got["seeds"] == got["step_seeds"] and not got["left_running"]
+    if "vllm_process" in layout:
+        assert got["rng_kept"] == [True] * 3, got["rng_kept"]
 
 
 def test_one_step_off_policy_resumes_the_same_run(vllm_model_dir, tasks, tmp_path):

@@ -16,12 +16,13 @@ def model_dir(tmp_path_factory):
     return make_tiny_qwen3(str(tmp_path_factory.mktemp("rollout")), layers=2, hidden=128, heads=2, kv_heads=1)  # vLLM CPU: head_dim 64
 
 
-@pytest.mark.parametrize("flags", [[], ["--rollout.enable_prefix_caching", "True"], ["--model.lora_rank", "4"]],
-                         ids=["default", "prefix_caching", "lora"])
+@pytest.mark.parametrize("flags", [[], ["--rollout.enable_prefix_caching", "True"], ["--model.lora_rank", "4"],
+                                   ["--rollout.name", "vllm_process"]],
+                         ids=["default", "prefix_caching", "lora", "engine_in_its_own_process"])
 def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path, flags):
     """One process: n responses per prompt, consecutive, ending at EOS or the length limit; log-probs as the engine's
     (with prefix caching, also after a sync on a prompt whose KV block vLLM cached before it; with LoRA, vLLM takes
-    the merged weights)."""
+    the merged weights; with vLLM's engine core in its own process, the weights sent to it at each sync)."""
     assert_rollout_worker_matches(model_dir, tmp_path, flags, nproc=1)
 
 
