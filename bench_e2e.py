@@ -62,8 +62,9 @@ class StepClock:
         return self
 
     def _poll(self) -> None:
-        while not self._stop.wait(0.1):
-            self.busy.append(torch.cuda.utilization())
+        with contextlib.suppress(Exception):  # no NVML (pynvml): no busy share
+            while not self._stop.wait(0.1):
+                self.busy.append(torch.cuda.utilization())
 
     def __exit__(self, *_):
         self._stop.set()
@@ -75,7 +76,7 @@ class StepClock:
 
     def report(self) -> dict:
         return {"cpu_trainer_s": self.trainer_s, "cpu_threads_s": self.process_s - self.trainer_s,
-                "cpu_engine_s": self.engine_s, "gpu_busy": sum(self.busy) / max(len(self.busy), 1) / 100}
+                "cpu_engine_s": self.engine_s, "gpu_busy": sum(self.busy) / len(self.busy) / 100 if self.busy else float("nan")}
 
 
 def engine_cpu_s() -> float:

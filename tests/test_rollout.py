@@ -73,6 +73,25 @@ def assert_rollout_worker_matches(model_dir, tmp_path, layout, nproc=2):
     assert got["synced_first_only"] < 1e-4  # log-probs asked for the first response of each prompt only
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_weights_read_back_by_vllms_unpacker(dtype):
+    """vllm_process's one-buffer weight update: vLLM's own reader gives back every tensor, bit for bit."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    from vllm_process import pack_weights
+
+    weights = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7)),
+               ("c.weight", torch.randn(2, 2, 2).transpose(0, 2))]  # not contiguous
+    weights = [(name, tensor.to(dtype)) for name, tensor in weights]
+    buffer, layout = pack_weights(weights)
+    got = unpack_tensor(buffer, layout["names"], layout["shapes"], [getattr(torch, d) for d in layout["dtype_names"]],
+                        layout["tensor_sizes"])
+    assert [name for name, _ in got] == [name for name, _ in weights]
+    for (_, want), (_, tensor) in zip(weights, got):
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want)
+
+
 def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_dir, tmp_path):
     got = run_sampler_worker("native", model_dir, tmp_path)
     assert got["greedy"] == got["hf_greedy"]
