@@ -4,7 +4,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): ev
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
-        [--also "NAME:--trainer.one_step_off_policy True OMP_NUM_THREADS=1"]  # one more run: flags, environment
+        [--also "NAME:--rollout.name vllm_process OMP_NUM_THREADS=1"]  # one more run: its flags, environment
     python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's LoRA path vs the merged sync
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
@@ -47,8 +47,8 @@ class ClockedSampler:
 
 class StepClock:
     """While entered (a step): CPU seconds of the trainer's thread, of this process's other threads (the generation
-    ahead, torch's intra-op pool), of vLLM's own processes; and the GPU's busy share (NVML's utilization: the share of time a kernel ran,
-    sampled every 0.1 s). Where the time goes when the two sides overlap."""
+    ahead, torch's intra-op pool), of vLLM's own processes; and the GPU's busy share (NVML's utilization: the share
+    of time a kernel ran, sampled every 0.1 s). Where the time goes when the two sides overlap."""
 
     def __init__(self, device: str):
         self.device = device
@@ -76,7 +76,8 @@ class StepClock:
 
     def report(self) -> dict:
         return {"cpu_trainer_s": self.trainer_s, "cpu_threads_s": self.process_s - self.trainer_s,
-                "cpu_engine_s": self.engine_s, "gpu_busy": sum(self.busy) / len(self.busy) / 100 if self.busy else float("nan")}
+                "cpu_engine_s": self.engine_s,
+                "gpu_busy": sum(self.busy) / len(self.busy) / 100 if self.busy else float("nan")}
 
 
 def engine_cpu_s() -> float:
@@ -283,14 +284,16 @@ def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
               + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}"
               f"{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
               f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}"
-              + "".join(f"{row.get(h, float('nan')):>15.2f}" for h in HOST) + f"{row.get('gpu_busy', float('nan')):>10.0%}")
+              + "".join(f"{row.get(h, float('nan')):>15.2f}" for h in HOST)
+              + f"{row.get('gpu_busy', float('nan')):>10.0%}")
 
 
 def compare_off_policy(args, loop_flags: list[str]) -> dict:
     """The steps synchronous, with trainer.one_step_off_policy, and with each --also variant (same prompts and seeds),
     each in a fresh process of this script; the mean step after the first (which compiles, and which the off-policy
     mode generates synchronously) of each, and its ratio to the synchronous one."""
-    modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True"]}
+    modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True", "--rollout.name",
+                                                        "vllm_process"]}
     modes.update(variant.split(":", 1) for variant in args.also)
     report = {}
     for mode, spec in modes.items():

@@ -35,7 +35,8 @@ PLUGIN_API = {  # what a task module and a model-family module provide (README: 
     "algorithm.loss_mode": ("policy_loss",),  # as grpo.POLICY_LOSSES's; optional `Settings` (--algorithm.*)
 }
 BUILT_IN = {"algorithm.adv_estimator": grpo.ADVANTAGE_ESTIMATORS, "algorithm.loss_mode": grpo.POLICY_LOSSES}
-SAMPLERS = {"vllm": "rollout", "vllm_process": "vllm_process", "native": "native"}  # built-in rollout.name -> its module
+# built-in rollout.name -> its module
+SAMPLERS = {"vllm": "rollout", "vllm_process": "vllm_process", "native": "native"}
 
 
 class SettingError(ValueError):
@@ -74,8 +75,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    # vllm: colocated engine in this process; vllm_process: its engine core in a process of its own (one trainer
-    # process; CUDA IPC sync); native: the trainer's own model; or a sampler module / .py path
+    # vllm: colocated engine in this process; vllm_process: its engine core in processes of its own (one per rank,
+    # CUDA IPC sync; the one-step off-policy mode needs it); native: the trainer's own model; or a module / .py path
     name: str = "vllm"
     n: int = 5  # responses per prompt (GRPO group size)
     temperature: float = 1.0  # sampling temperature (also applied to training log-probs)
@@ -332,9 +333,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SettingError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} must divide "
                            f"tensor_parallel_degree x context_parallel_degree = {model_parallel}: a vLLM TP group must "
                            "hold only ranks that share one batch; set it to a divisor of that product")
-    if sampler_class(cfg).one_trainer_process and world_size > 1:
-        raise SettingError(f"rollout.name={cfg.rollout.name} runs one engine beside one trainer process (world size "
-                           f"{world_size}); use --rollout.name vllm")
+    if not sampler_class(cfg).uses_rollout_tp and cfg.rollout.tensor_parallel_size > 1:
+        raise SettingError(f"rollout.name={cfg.rollout.name} runs no rollout TP groups; set "
+                           "rollout.tensor_parallel_size=1 (or use --rollout.name vllm)")
     if p.context_parallel_degree > 1 and cfg.model.attn_type == "varlen":
         raise SettingError("parallelism.context_parallel_degree > 1 does not support attn_type=varlen "
                            "(torchtitan has no varlen CP); use flex")
@@ -444,11 +445,9 @@ def _validate_one_step_off_policy(cfg: Config) -> None:
     if not cfg.trainer.one_step_off_policy:
         return
     clashes = (  # (setting that must change, why)
-        (not sampler_class(cfg).generates_beside_the_trainer, "rollout.name=vllm",
-         f"rollout.name={cfg.rollout.name} samples with the weights the trainer updates"),
+        (not sampler_class(cfg).generates_beside_the_trainer, "rollout.name=vllm_process",
+         f"rollout.name={cfg.rollout.name} cannot generate beside the update"),
         (cfg.rollout.free_cache_engine, "rollout.free_cache_engine=False", "vLLM generates during the update"),
-        (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size=1",
-         "vLLM's TP collectives would run beside the trainer's"),
         (cfg.algorithm.filter_groups, "algorithm.filter_groups=False", "dynamic sampling counts groups over ranks"),
         (cfg.actor.use_rollout_logprobs, "actor.use_rollout_logprobs=False",
          "the old log-probs are the trainer's before the update"),

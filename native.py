@@ -16,7 +16,6 @@ class NativeRollout:
     environment: dict[str, str] = {}
     uses_rollout_tp = False
     generates_beside_the_trainer = False  # it samples with the weights the trainer updates
-    one_trainer_process = False
 
     def __init__(self, cfg: Config, engine, eos_token_ids: list[int]):
         self.cfg, self.engine, self.eos = cfg, engine, set(eos_token_ids)

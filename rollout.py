@@ -32,8 +32,8 @@ class Sampler(Protocol):
 
     environment: dict[str, str]  # environment variables the entry point sets before building it
     uses_rollout_tp: bool  # it runs rollout.tensor_parallel_size-rank groups (the size must divide TP x CP)
-    generates_beside_the_trainer: bool  # it holds weights of its own: it can generate while the trainer updates
-    one_trainer_process: bool  # it serves one trainer process only (world size 1)
+    generates_beside_the_trainer: bool  # it holds weights of its own and its own thread: it can generate while the
+    # trainer updates (the one-step off-policy mode)
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
                  logprob_samples: int | None = None) -> Rollout: ...
@@ -56,8 +56,8 @@ class VLLMRollout:
 
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine in this process: the sync copies in place
     uses_rollout_tp = True
-    generates_beside_the_trainer = True
-    one_trainer_process = False
+    # its host work and the trainer's would take turns on one interpreter lock (the step slower than synchronous)
+    generates_beside_the_trainer = False
 
     def __init__(self, cfg: Config, engine, eos_token_ids: list[int] | None = None):
         wrong = {k: v for k, v in self.environment.items() if os.environ.get(k) != v}
@@ -72,7 +72,7 @@ class VLLMRollout:
         on_gpu = engine.device_type == "cuda"
         self.dtype = torch.bfloat16 if on_gpu and cfg.model.dtype == "bfloat16" else torch.float32
         r = cfg.rollout
-        self.llm = LLM(
+        options = dict(
             model=engine.model_dir, dtype=self.dtype, tensor_parallel_size=r.tensor_parallel_size, load_format="dummy",
             distributed_executor_backend="external_launcher" if dist.get_world_size() > 1 else None,
             gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
@@ -81,8 +81,8 @@ class VLLMRollout:
             max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
             enable_sleep_mode=on_gpu and r.free_cache_engine, seed=r.seed + dist.get_rank() // r.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
-            **self.engine_options(on_gpu),
         )
+        self.llm = LLM(**{**options, **self.engine_options(on_gpu)})
         self.sleeping = False
         # a dense model on a GPU computes with its weights as loaded: copying into them is all a sync needs
         self.copies_in_place = on_gpu and not self.llm.llm_engine.vllm_config.model_config.is_moe
@@ -115,7 +115,7 @@ class VLLMRollout:
         return rollout
 
     def engine_options(self, on_gpu: bool) -> dict:
-        """Further keywords for vLLM's LLM (none for the in-process engine)."""
+        """Keywords for vLLM's LLM that replace or add to the in-process engine's (none here)."""
         return {}
 
     @contextlib.contextmanager

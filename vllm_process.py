@@ -1,10 +1,11 @@
-"""vLLM with its engine core in a process of its own (`--rollout.name vllm_process`; one trainer process): the
-scheduler and the GPU worker run there, so the trainer's Python thread is free while vLLM generates, and the weights
-travel over CUDA IPC through vLLM's weight-transfer API (one packed buffer a sync). The one-step off-policy mode
-needs that freed thread to update beside the generation; everything else is `rollout.VLLMRollout`."""
+"""vLLM with its engine core in processes of its own (`--rollout.name vllm_process`): the scheduler and the GPU worker
+run there, so the trainer's Python thread is free while vLLM generates, and the weights travel over CUDA IPC through
+vLLM's weight-transfer API (one packed buffer a sync). The one-step off-policy mode needs that freed thread to update
+beside the generation (benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
 
 import contextlib
 import io
+import os
 import random
 
 import torch
@@ -13,16 +14,24 @@ from rollout import VLLMRollout, forget_moe_kernels
 
 
 class OwnProcessVLLM(VLLMRollout):
-    """VLLMRollout whose engine core is vLLM's own child process; nothing it does touches the trainer's RNG."""
+    """VLLMRollout whose engine core is a child process of the trainer rank (one engine per rank, on the rank's GPU;
+    TP peers train on their first peer's groups); nothing it does touches the trainer's RNG."""
 
-    # IPC handles and the seeding function reach the engine's process by pickle
+    # IPC handles and the CPU reload function reach the engine's process by pickle
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    uses_rollout_tp = False  # one engine, tensor_parallel_size 1
-    one_trainer_process = True  # vLLM's own process group is one engine beside one trainer rank
+    uses_rollout_tp = False  # one engine per rank, tensor_parallel_size 1
+    generates_beside_the_trainer = True
+
+    def __init__(self, cfg, engine, eos_token_ids=None):
+        with engine_on_this_ranks_gpu(engine.device):
+            super().__init__(cfg, engine, eos_token_ids)
 
     def engine_options(self, on_gpu: bool) -> dict:
-        """The IPC weight-transfer backend on a GPU (the CPU sync sends the tensors themselves)."""
-        return {"weight_transfer_config": {"backend": "ipc"}} if on_gpu else {}
+        """vLLM's own process group of one, not torchrun's; the IPC weight-transfer backend on a GPU. On CPU (which
+        sends the tensors themselves) no chunked prefill: vLLM CPU cannot rewind a seeded request's generator after
+        a partial prefill ("CPU Generator does not use offset")."""
+        device_options = {"weight_transfer_config": {"backend": "ipc"}} if on_gpu else {"enable_chunked_prefill": False}
+        return {"distributed_executor_backend": "mp", **device_options}
 
     @contextlib.contextmanager
     def seeded(self, seed: int):
@@ -56,6 +65,25 @@ class OwnProcessVLLM(VLLMRollout):
         self.llm.collective_rpc("finish_weight_update")  # the engine has copied out of the buffer and let it go
         del buffer
         torch.cuda.ipc_collect()
+
+
+@contextlib.contextmanager
+def engine_on_this_ranks_gpu(device: torch.device):
+    """While vLLM starts its processes: they see only this rank's GPU (vLLM's single worker takes the first visible
+    one). This process's CUDA context is already made, so the variable no longer changes its own devices."""
+    if device.type != "cuda":
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def pack_weights(weights) -> tuple[torch.Tensor, dict]:

@@ -46,8 +46,8 @@ def main():
     out, model_dir, data, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     cfg = parse_cli([
         "--model.path", model_dir, "--model.attn_type", "sdpa", "--model.dtype", "float32", "--trainer.device", "cpu",
-        "--trainer.output_dir", out + "_run", "--rollout.name", "vllm", "--rollout.gpu_memory_utilization", "0.1",
-        "--rollout.free_cache_engine", "False", "--trainer.one_step_off_policy", "True",
+        "--trainer.output_dir", out + "_run", "--rollout.name", "vllm_process", "--rollout.gpu_memory_utilization",
+        "0.1", "--rollout.free_cache_engine", "False", "--trainer.one_step_off_policy", "True",
         "--data.train_files", data, "--data.val_files", data, "--data.train_batch_size", "4",
         "--actor.ppo_mini_batch_size", "4", "--rollout.n", "4", "--data.max_response_length", "3",
         "--data.max_prompt_length", "64", "--optimizer.lr", "2e-2", "--reward.method", "flexible",

@@ -186,7 +186,8 @@ def test_reward_rises_with_the_vllm_rollout(vllm_model_dir, tasks, tmp_path, mod
     0.021 -> 0.720, validation 0.667; staleness 0 at step 1, then 1."""
     pytest.importorskip("vllm")
     mode_flags = ["--trainer.one_step_off_policy", "True", "--rollout.free_cache_engine", "False"]
-    rows = train(vllm_model_dir, tasks, tmp_path, 50, "--rollout.name", "vllm", "--rollout.gpu_memory_utilization",
+    sampler = "vllm_process" if mode == "one_step_off_policy" else "vllm"
+    rows = train(vllm_model_dir, tasks, tmp_path, 50, "--rollout.name", sampler, "--rollout.gpu_memory_utilization",
                  "0.1", "--data.max_response_length", "1", "--rollout.n", "16", "--actor.ppo_mini_batch_size", "4",
                  "--optimizer.lr", "3e-3", "--algorithm.entropy_coeff", "0.01", "--rollout.seed", "2",
                  "--trainer.test_freq", "50", "--trainer.val_before_train", "False",
@@ -213,16 +214,15 @@ def offpolicy_worker(nproc, out, model_dir, data, *flags):
 @pytest.mark.parametrize("layout", [
     ["--parallelism.data_parallel_shard_degree", "1"], ["--parallelism.data_parallel_shard_degree", "2"],
     ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
-    ["--parallelism.data_parallel_shard_degree", "1", "--rollout.name", "vllm_process"],
-], ids=["one_process", "fsdp2", "tp2", "engine_in_its_own_process"])
+], ids=["one_process", "fsdp2", "tp2"])
 def test_one_step_off_policy_trains_on_samples_of_the_weights_one_update_older(tmp_path_factory, tasks, tmp_path,
                                                                                layout):
     """One process, FSDP=2 and TP=2 (the TP peers train on their first peer's groups), three steps: the samples a
     step trains on carry rollout log-probs equal to the engine's under the weights one update older than the step's
     start (< 1e-4) and unlike the start weights' (> 1e-2); the first step draws its own (staleness 0); every step's
-    prompt slot is generated once (the last step starts no generation), and nothing is left in flight. With vLLM's
-    engine core in its own process (rollout.name=vllm_process), the trainer thread's RNG states are the same after each
-    step as before it: the generation beside the update seeds only the engine's process."""
+    prompt slot is generated once (the last step starts no generation), and nothing is left in flight; the trainer
+    thread's RNG states are the same after each step as before it (vLLM's engine core, in its own process, draws the
+    generation beside the update)."""
     pytest.importorskip("vllm")
     model_dir = make_tiny_qwen3(str(tmp_path_factory.mktemp("off_policy")), layers=2, hidden=128, heads=2, kv_heads=2)
     nproc = 2 if "2" in layout else 1
@@ -231,8 +231,7 @@ def test_one_step_off_policy_trains_on_samples_of_the_weights_one_update_older(t
     assert min(got["step_start"][1:]) > 1e-2, got
     assert got["staleness"] == [0.0, 1.0, 1.0]
     assert got["seeds"] == got["step_seeds"] and not got["left_running"]
-    if "vllm_process" in layout:
-        assert got["rng_kept"] == [True] * 3, got["rng_kept"]
+    assert got["rng_kept"] == [True] * 3, got["rng_kept"]
 
 
 def test_one_step_off_policy_resumes_the_same_run(vllm_model_dir, tasks, tmp_path):
@@ -241,7 +240,7 @@ def test_one_step_off_policy_resumes_the_same_run(vllm_model_dir, tasks, tmp_pat
     uninterrupted run wrote (rel 1e-5); the runs end with exit 0 and no traceback. (The background generation is not
     bit-reproducible between runs on CPU, where it shares the cores with the update: hence one run, not two.)"""
     pytest.importorskip("vllm")
-    flags = ["--rollout.name", "vllm", "--rollout.gpu_memory_utilization", "0.1", "--trainer.val_before_train",
+    flags = ["--rollout.name", "vllm_process", "--rollout.gpu_memory_utilization", "0.1", "--trainer.val_before_train",
              "False", "--trainer.one_step_off_policy", "True", "--rollout.free_cache_engine", "False",
              "--checkpoint.save_freq", "2"]
     out = tmp_path / "run"
