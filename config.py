@@ -1,25 +1,25 @@
 """All settings of a titan-grpo run as dataclasses, parsed as `--section.field value` (tyro).
 
-Sections mirror torchtitan where they overlap; defaults follow verl's GSM8K GRPO recipe. `data.task` and
-`model.family` name plug-in modules; the task's `Settings` is the `reward` section. `validate` rejects bad input
+Sections mirror torchtitan where they overlap; defaults follow verl's GSM8K GRPO recipe. `data.task`, `model.family`,
+`rollout.name` and the algorithm's estimator and loss name plug-in modules (plugins.py loads them); the task's
+`Settings` is the `reward` section. `validate` rejects bad input
 with a one-line `SettingError` before any heavy work (`python loop.py --check FLAGS` runs the checks alone).
 """
 
 import argparse
-import contextlib
 import dataclasses
-import functools
-import importlib
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-import grpo
+import lora
+import offpolicy
+from plugins import (BUILT_IN, SettingError, UnsupportedSetting, algorithm_function,  # noqa: F401 (re-exported)
+                     algorithm_settings, importable, load_plugin, sampler_class)
 
 ATTN_TYPES = ("flex", "flex_flash", "varlen", "sdpa")
 AC_MODES = ("selective", "full", "none")
@@ -27,26 +27,6 @@ SPMD_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = tuple(name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+"))
 FLASH_PACKAGES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute"}  # what torch imports for each kernel set
-PLUGIN_API = {  # what a task module and a model-family module provide (README: "Fork it")
-    "data.task": ("load_problems", "build_prompt", "score", "VAL_METRIC", "Settings"),
-    "model.family": ("MODEL_TYPES", "model_spec", "training_flops", "LORA_TARGETS"),
-    "rollout.name": ("SAMPLER",),  # a class as rollout.Sampler describes
-    "algorithm.adv_estimator": ("advantages",),  # as grpo.ADVANTAGE_ESTIMATORS's; optional `Settings` (--algorithm.*)
-    "algorithm.loss_mode": ("policy_loss",),  # as grpo.POLICY_LOSSES's; optional `Settings` (--algorithm.*)
-}
-BUILT_IN = {"algorithm.adv_estimator": grpo.ADVANTAGE_ESTIMATORS, "algorithm.loss_mode": grpo.POLICY_LOSSES}
-# built-in rollout.name -> its module
-SAMPLERS = {"vllm": "rollout", "vllm_process": "vllm_process", "native": "native"}
-
-
-class SettingError(ValueError):
-    """A bad setting: its one-line message names the setting and the fix (the entry point prints it, exit 2)."""
-
-
-class UnsupportedSetting(SettingError, NotImplementedError):
-    """A setting titan-grpo accepts but does not implement."""
-
-
 @dataclass
 class ModelConfig:
     path: str = "Qwen/Qwen3-0.6B"  # HF model dir (config.json + safetensors + tokenizer) or hub id
@@ -238,59 +218,6 @@ def parse_cli(args: list[str] | None = None) -> Config:
     return tyro.cli(with_plugins, args=args, config=(tyro.conf.FlagConversionOff,))
 
 
-def algorithm_settings(setting: str, name: str) -> list[tuple]:
-    """The fields a plug-in estimator or loss declares in its `Settings`, as make_dataclass takes them (none for a
-    built-in or an unknown name: validate names the latter)."""
-    if name in BUILT_IN[setting] or not (name.endswith(".py") or importable(name)):
-        return []
-    settings = getattr(load_plugin(setting, name), "Settings", None)
-    if settings is None:
-        return []
-    return [(f.name, f.type, field(default=f.default) if f.default is not dataclasses.MISSING
-             else field(default_factory=f.default_factory)) for f in dataclasses.fields(settings)]
-
-
-def algorithm_function(setting: str, name: str):
-    """The advantage estimator or policy loss an algorithm setting names: built in (grpo.py) or a plug-in's."""
-    if name in BUILT_IN[setting]:
-        return BUILT_IN[setting][name]
-    return getattr(load_algorithm_plugin(setting, name), PLUGIN_API[setting][0])
-
-
-def load_algorithm_plugin(setting: str, name: str):
-    """The module an algorithm setting names (a .py path or an importable module), else a one-line SettingError."""
-    if not (name.endswith(".py") or importable(name)):
-        raise SettingError(f"{setting}={name!r} is unknown; use one of {tuple(BUILT_IN[setting])} or a module / .py "
-                           f"path providing {PLUGIN_API[setting][0]}")
-    return load_plugin(setting, name)
-
-
-@functools.cache  # one module object per name: a .py file runs once
-def load_plugin(setting: str, name: str):
-    """The module a plug-in setting (data.task, model.family, rollout.name) names: an importable name or a .py
-    file's path (registered in sys.modules under its file name, as an import would, so that its classes resolve)."""
-    try:
-        if name.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], os.path.abspath(name))
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(name)
-    except (ImportError, FileNotFoundError) as error:
-        raise SettingError(f"{setting}={name} cannot be loaded ({error}); give a module name or a .py path") from None
-    missing = [attr for attr in PLUGIN_API[setting] if not hasattr(module, attr)]
-    if missing:
-        raise SettingError(f"{setting}={name} lacks {', '.join(missing)}; such a module provides "
-                           f"{', '.join(PLUGIN_API[setting])}")
-    return module
-
-
-def sampler_class(cfg: Config):
-    """The rollout.Sampler class rollout.name names (a built-in name, a module or a .py path)."""
-    return load_plugin("rollout.name", SAMPLERS.get(cfg.rollout.name, cfg.rollout.name)).SAMPLER
-
-
 def resolve_device(cfg: Config) -> str:
     """'cuda' or 'cpu' for trainer.device=auto."""
     if cfg.trainer.device != "auto":
@@ -347,8 +274,10 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SettingError("trainer.device=cuda but torch sees no CUDA GPU; use --trainer.device cpu (or auto)")
     family = load_plugin("model.family", cfg.model.family)
     _validate_model_dir(cfg.model.path, family.MODEL_TYPES)
-    lora_targets(cfg.model, family.LORA_TARGETS)
-    _validate_one_step_off_policy(cfg)
+    lora.lora_targets(cfg.model, family.LORA_TARGETS)
+    for clash, fix, why in offpolicy.clashes(cfg, sampler_class(cfg)) if cfg.trainer.one_step_off_policy else ():
+        if clash:
+            raise SettingError(f"trainer.one_step_off_policy=True needs {fix} ({why})")
     if cfg.algorithm.overlong_buffer_len >= cfg.data.max_response_length:
         raise SettingError(f"algorithm.overlong_buffer_len={cfg.algorithm.overlong_buffer_len} must be smaller than "
                            f"data.max_response_length={cfg.data.max_response_length}")
@@ -427,36 +356,6 @@ def _validate_ranges(cfg: Config) -> None:
             raise SettingError(f"{name}={_setting(cfg, name)} must be {wanted}")
 
 
-def lora_targets(model: ModelConfig, names: dict[str, str]) -> list[str]:
-    """The torchtitan linears that model.target_modules names (`names`: HF name -> torchtitan name)."""
-    wanted = set(names) if "all-linear" in model.target_modules else set(model.target_modules)
-    unknown = wanted - set(names)
-    if unknown:
-        raise SettingError(f"model.target_modules has {sorted(unknown)}; use all-linear or names of {sorted(names)}")
-    for fused in {t for t in names.values() if list(names.values()).count(t) > 1}:  # one torchtitan linear, several HF
-        sharing = sorted(hf for hf, t in names.items() if t == fused)
-        if 0 < len(wanted & set(sharing)) < len(sharing):
-            raise SettingError(f"model.target_modules: {', '.join(sharing)} are one fused linear in torchtitan; "
-                               "name all of them or none")
-    return sorted({names[hf] for hf in wanted})
-
-
-def _validate_one_step_off_policy(cfg: Config) -> None:
-    if not cfg.trainer.one_step_off_policy:
-        return
-    clashes = (  # (setting that must change, why)
-        (not sampler_class(cfg).generates_beside_the_trainer, "rollout.name=vllm_process",
-         f"rollout.name={cfg.rollout.name} cannot generate beside the update"),
-        (cfg.rollout.free_cache_engine, "rollout.free_cache_engine=False", "vLLM generates during the update"),
-        (cfg.algorithm.filter_groups, "algorithm.filter_groups=False", "dynamic sampling counts groups over ranks"),
-        (cfg.actor.use_rollout_logprobs, "actor.use_rollout_logprobs=False",
-         "the old log-probs are the trainer's before the update"),
-    )
-    for clash, fix, why in clashes:
-        if clash:
-            raise SettingError(f"trainer.one_step_off_policy=True needs {fix} ({why})")
-
-
 def _validate_output_dir(path: str) -> None:
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
@@ -479,14 +378,6 @@ def _validate_attention(attn_type: str, device: str) -> None:
                            "installed; use flex")
 
 
-def importable(module: str) -> bool:
-    """Whether `module` can be imported (without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # the parent package is missing
-        return False
-
-
 def _validate_model_dir(path: str, model_types: tuple[str, ...]) -> None:
     if not os.path.isdir(path):
         looks_local = os.path.isabs(path) or path.startswith(".") or path.count("/") != 1
@@ -500,17 +391,3 @@ def _validate_model_dir(path: str, model_types: tuple[str, ...]) -> None:
         model_type = json.load(f).get("model_type")
     if model_type not in model_types:
         raise SettingError(f"model.path={path} is model_type={model_type!r}; model.family supports {model_types}")
-
-
-@contextlib.contextmanager
-def one_line_errors():
-    """A SettingError inside ends the process with its one line on stderr and exit code 2, no traceback; the line
-    also goes to the file TITAN_GRPO_REFUSAL names, if set (run.sh repeats it last after torchrun ends)."""
-    try:
-        yield
-    except SettingError as error:
-        print(f"titan-grpo: {error}", file=sys.stderr, flush=True)
-        if os.environ.get("TITAN_GRPO_REFUSAL"):
-            with open(os.environ["TITAN_GRPO_REFUSAL"], "a") as f:
-                f.write(f"titan-grpo: {error}\n")
-        sys.exit(2)

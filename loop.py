@@ -13,17 +13,19 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+import dapo
 import grpo
 import offpolicy
-from config import Config, SettingError, algorithm_function, one_line_errors, parse_cli, sampler_class
+from config import Config, parse_cli
 from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack, to_device
 from metrics import MetricsLog, log, perf_metrics, quiet_known_noise, rollout_metrics
+from plugins import algorithm_function, one_line_errors, sampler_class
 from prompts import PromptSet, check_inputs, eos_token_ids
 from rollout import Rollout, Sampler, build_rollout
 
@@ -85,9 +87,12 @@ def build_run(cfg: Config) -> Run:
     if cfg.trainer.one_step_off_policy:
         run.groups = offpolicy.OneStepOffPolicy(lambda slot: local_groups(cfg, slot, run),
                                                 lambda groups: share_within_model_parallel(engine, groups),
-                                                cfg.trainer.total_training_steps, engine.device)
+                                                cfg.trainer.total_training_steps)
+    elif cfg.algorithm.filter_groups:
+        run.groups = OnPolicyGroups(dapo.DynamicSampling(cfg, engine, slot_groups(cfg, run)), sampler)
     else:
-        run.groups = OnPolicyGroups(cfg, run)
+        draw = slot_groups(cfg, run)
+        run.groups = OnPolicyGroups(lambda step: (*draw(step), {}), sampler)
     return run
 
 
@@ -128,16 +133,17 @@ def train_step(cfg: Config, step: int, run: Run) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- the phases of a step
 class OnPolicyGroups:
-    """A step's groups generated at its start from the current weights; vLLM then sleeps until the sync (with
-    rollout.free_cache_engine) so that its memory serves the update."""
+    """A step's groups generated at its start from the current weights by `draw(step)` (prompt slot `step`, or
+    dapo.DynamicSampling's slots); vLLM then sleeps until the sync (with rollout.free_cache_engine) so that its
+    memory serves the update."""
 
-    def __init__(self, cfg: Config, run: Run):
-        self.cfg, self.run = cfg, run
+    def __init__(self, draw: Callable, sampler: Sampler):
+        self.draw, self.sampler = draw, sampler
 
     def take(self, step: int) -> tuple[Rollout, list[float], dict[str, float]]:
         """This rank's share of the step's groups, their scores and metrics."""
-        groups = sample_groups(self.cfg, step, self.run)
-        self.run.sampler.sleep()
+        groups = self.draw(step)
+        self.sampler.sleep()
         return groups
 
     def update_done(self) -> dict[str, float]:
@@ -154,46 +160,9 @@ class OnPolicyGroups:
         pass
 
 
-def sample_groups(cfg: Config, step: int, run: Run) -> tuple[Rollout, list[float], dict[str, float]]:
-    """This rank's share of the step's groups (n responses per prompt) and their task scores. With
-    algorithm.filter_groups (DAPO's dynamic sampling) only groups whose scores differ are kept, from as many
-    generation batches as it takes every DP rank to hold train_batch_size / DP of them; generation batch g of a
-    step is prompt slot (step - 1) x max_num_gen_batches + g of the shuffled order, so a resume redraws the same.
-    At max_num_gen_batches the step trains on the groups it found, every rank on as many (none: no update), unless
-    algorithm.stop_at_max_gen_batches stops the run as verl does."""
-    engine, n, a = run.engine, cfg.rollout.n, cfg.algorithm
-    wanted, batches = cfg.data.train_batch_size // engine.dp_size, a.max_num_gen_batches if a.filter_groups else 1
-    kept, scores, generated, all_scores = Rollout([], [], [], []), [], 0, 0.0
-    for batch in range(batches):
-        rollout, new = share_within_model_parallel(engine, local_groups(cfg, (step - 1) * batches + batch + 1, run))
-        if not a.filter_groups:
-            return rollout, new, {}
-        for g in informative_groups(new, n):
-            for name, values in vars(rollout).items():
-                getattr(kept, name).extend(values[g * n:(g + 1) * n])
-            scores.extend(new[g * n:(g + 1) * n])
-        generated, all_scores = generated + len(new) // n, all_scores + sum(new)
-        held = int(engine.dp_all_reduce(torch.tensor([len(scores) // n]), dist.ReduceOp.MIN).item())  # every rank's
-        if held >= wanted:
-            break
-    else:
-        found = f"step {step} found {held} of {wanted} groups whose rewards differ on a rank"
-        if a.stop_at_max_gen_batches:
-            raise SettingError(f"algorithm.max_num_gen_batches={batches}: {found}; raise it (or check that the "
-                               "task's rewards vary)")
-        log(f"{found} in {batches} generation batches: " + (f"it trains on {held}" if held else "no update"))
-    groups, generated, all_scores = engine.dp_all_reduce(torch.tensor([len(scores) / n, generated, all_scores],
-                                                                      dtype=torch.float64)).tolist()
-    metrics = {"train/num_gen_batches": batch + 1, "train/kept_group_ratio": groups / generated,
-               "critic/score/all_mean": all_scores / (generated * n)}
-    used = min(held, wanted) * n
-    return Rollout(*(values[:used] for values in vars(kept).values())), scores[:used], metrics
-
-
-def informative_groups(scores: list[float], n: int) -> list[int]:
-    """DAPO's keep rule: the indices of the groups (n consecutive scores each) whose scores differ; verl keeps a
-    group of one too, which has no spread to judge."""
-    return [g for g in range(len(scores) // n) if n == 1 or len(set(scores[g * n:(g + 1) * n])) > 1]
+def slot_groups(cfg: Config, run: Run) -> Callable:
+    """draw(slot): the groups of a prompt slot and their scores, shared with the model-parallel peers."""
+    return lambda slot: share_within_model_parallel(run.engine, local_groups(cfg, slot, run))
 
 
 def local_groups(cfg: Config, slot: int, run: Run) -> tuple[Rollout, list[float]]:

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.lora import LoRAConverter
 
-from config import lora_targets
 from logprobs import full_tensor
+from plugins import SettingError
 
 
 def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
@@ -129,3 +129,17 @@ def save_on_rank0(tensors: dict[str, torch.Tensor], folder: str, name: str) -> N
 
         os.makedirs(folder, exist_ok=True)
         save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+
+
+def lora_targets(model, names: dict[str, str]) -> list[str]:
+    """The torchtitan linears that model.target_modules names (`names`: HF name -> torchtitan name)."""
+    wanted = set(names) if "all-linear" in model.target_modules else set(model.target_modules)
+    unknown = wanted - set(names)
+    if unknown:
+        raise SettingError(f"model.target_modules has {sorted(unknown)}; use all-linear or names of {sorted(names)}")
+    for fused in {t for t in names.values() if list(names.values()).count(t) > 1}:  # one torchtitan linear, several HF
+        sharing = sorted(hf for hf, t in names.items() if t == fused)
+        if 0 < len(wanted & set(sharing)) < len(sharing):
+            raise SettingError(f"model.target_modules: {', '.join(sharing)} are one fused linear in torchtitan; "
+                               "name all of them or none")
+    return sorted({names[hf] for hf in wanted})

@@ -1,20 +1,19 @@
-"""What a run reports and where: the step's metrics (verl's names), metrics.jsonl and the loggers, the
-output-dir lock, and the console lines that are known noise."""
+"""What a run reports and where: the step's metrics (verl's names), metrics.jsonl and the loggers, and the console
+lines that are known noise."""
 
-import fcntl
 import json
 import logging
 import os
 import resource
 import warnings
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.utils import get_peak_flops
 
 import grpo
-from config import Config, SettingError
+from config import Config
+from loggers import LOGGERS
 
 
 def rollout_metrics(engine, samples, rollout, rewards) -> dict[str, float]:
@@ -60,8 +59,8 @@ def perf_metrics(engine, samples, timings) -> dict[str, float]:
 
 
 class MetricsLog:
-    """metrics.jsonl in the output dir, plus trainer.logger's console line, TensorBoard, wandb (rank 0). A fresh
-    run starts a fresh file; a resumed one keeps the rows up to its step (rows of steps it redoes would repeat)."""
+    """metrics.jsonl in the output dir, plus trainer.logger's console line and loggers.py's (rank 0). A fresh run
+    starts a fresh file; a resumed one keeps the rows up to its step (rows of steps it redoes would repeat)."""
 
     CONSOLE = (("critic/score/mean", "score", "{:.3f}"), ("critic/score/all_mean", "score_all", "{:.3f}"),
                ("val", "val", "{:.3f}"),
@@ -86,16 +85,7 @@ class MetricsLog:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
-        self.tensorboard = self.wandb = None
-        if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=resumed_step + 1)
-        if "wandb" in self.loggers:  # WANDB_MODE=offline etc. are wandb's own switches
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name, dir=out,
-                                    config=asdict(cfg), resume="allow")
+        self.backends = [LOGGERS[name](cfg, resumed_step) for name in self.loggers if name in LOGGERS]
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         score = metrics.get("critic/score/all_mean", metrics.get("critic/score/mean"))
@@ -108,12 +98,8 @@ class MetricsLog:
         if "console" in self.loggers:
             shown = " ".join(f"{name}={fmt.format(metrics[key])}" for key, name, fmt in self.console if key in metrics)
             print(f"step {step}: {shown}", flush=True)
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        for backend in self.backends:
+            backend.log(metrics, step)
 
     def summary(self, seconds: float, checkpoint: str | None, export: str | None) -> str:
         """One line at the end of a run: mean reward over its first 3 and last 10 steps, validation first -> last,
@@ -130,41 +116,13 @@ class MetricsLog:
         return "; ".join(parts + files)
 
     def close(self) -> None:
-        if self.rank0 and self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.rank0 and self.wandb is not None:
-            self.wandb.finish()
+        for backend in self.backends if self.rank0 else []:
+            backend.close()
 
 
 def log(message: str) -> None:
     if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
         print(message, flush=True)
-
-
-_output_dir_lock = None  # held open for the life of the process
-
-
-def lock_output_dir(output_dir: str) -> None:
-    """Rank 0 holds an exclusive lock on output_dir: a second run there stops at once, not racing the first."""
-    global _output_dir_lock
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        handle = open(os.path.join(output_dir, ".lock"), "a+")
-    except OSError as error:  # e.g. under /proc, where the writability check passes for root
-        raise SettingError(f"trainer.output_dir={output_dir} cannot be created ({error.strerror}); "
-                           "pick another") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        raise SettingError(f"trainer.output_dir={output_dir} is in use by another run (pid {handle.read().strip()}); "
-                           "stop that run or choose another trainer.output_dir") from None
-    handle.truncate(0)
-    handle.write(str(os.getpid()))
-    handle.flush()
-    _output_dir_lock = handle
 
 
 def quiet_known_noise() -> None:

@@ -91,4 +91,4 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
-SAMPLER = NativeRollout  # what rollout.name=native builds (config.SAMPLERS)
+SAMPLER = NativeRollout  # what rollout.name=native builds (plugins.SAMPLERS)

@@ -12,6 +12,18 @@ import torch
 import torch.distributed as dist
 
 
+def clashes(cfg, sampler) -> tuple[tuple[bool, str, str], ...]:
+    """(clashes with the mode, the setting that must change, why) for config.validate."""
+    return (
+        (not sampler.generates_beside_the_trainer, "rollout.name=vllm_process",
+         f"rollout.name={cfg.rollout.name} cannot generate beside the update"),
+        (cfg.rollout.free_cache_engine, "rollout.free_cache_engine=False", "vLLM generates during the update"),
+        (cfg.algorithm.filter_groups, "algorithm.filter_groups=False", "dynamic sampling counts groups over ranks"),
+        (cfg.actor.use_rollout_logprobs, "actor.use_rollout_logprobs=False",
+         "the old log-probs are the trainer's before the update"),
+    )
+
+
 class OneStepOffPolicy:
     """The step's groups, drawn one update earlier (staleness 1; step 1 draws its own, staleness 0), and the next
     step's started beside this step's update. A checkpoint keeps the finished next batch: a resume trains on what
@@ -20,8 +32,8 @@ class OneStepOffPolicy:
     `draw(slot)`: this rank's groups of a prompt slot and their scores, with no collective (it runs beside the
     update); `share(groups)`: the model-parallel peers' common copy (a collective: on the trainer's thread)."""
 
-    def __init__(self, draw: Callable, share: Callable, last_step: int, device: torch.device):
-        self.draw, self.share, self.last_step, self.device = draw, share, last_step, device
+    def __init__(self, draw: Callable, share: Callable, last_step: int):
+        self.draw, self.share, self.last_step = draw, share, last_step
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.running, self.ready, self.staleness = None, None, 0
 
@@ -44,17 +56,9 @@ class OneStepOffPolicy:
         return {"wait_rollout": time.perf_counter() - start, "gen_ahead": generation_s}
 
     def _beside_the_trainer(self, slot: int):
-        """draw(slot) and its wall seconds, on this thread's own CUDA stream (the trainer's kernels run on the
-        default stream; kernels of two streams can run at once)."""
+        """draw(slot) and its wall seconds (vLLM generates in its own process: this thread mostly waits)."""
         start = time.perf_counter()
-        if self.device.type != "cuda":
-            return self.draw(slot), time.perf_counter() - start
-        torch.cuda.set_device(self.device)  # a new thread starts on device 0
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            groups = self.draw(slot)
-        stream.synchronize()  # this stream's work, not the trainer's default stream
-        return groups, time.perf_counter() - start
+        return self.draw(slot), time.perf_counter() - start
 
     def save(self, folder: str) -> None:
         """Keep the finished next batch beside the checkpoint (one file per rank)."""

@@ -1,7 +1,8 @@
-"""What a run reads before any heavy work (`check_inputs`: settings, output dir, model dir, data) and a task's problems
-as tokenized chat prompts: `load_data` (the task's loader, bad data one line naming the setting), `PromptSet` (a
-resumable order of prompt batches) and the model's EOS ids."""
+"""What a run reads before any heavy work (`check_inputs`: settings, output dir (created and locked), model dir, data)
+and a task's problems as tokenized chat prompts: `load_data` (the task's loader, bad data one line naming the
+setting), `PromptSet` (a resumable order of prompt batches) and the model's EOS ids."""
 
+import fcntl
 import json
 import os
 
@@ -10,7 +11,7 @@ from transformers import AutoTokenizer
 
 from config import Config, SettingError, load_plugin, validate
 from engine import load_model_dir
-from metrics import lock_output_dir, log
+from metrics import log
 
 
 def check_inputs(cfg: Config):
@@ -25,6 +26,32 @@ def check_inputs(cfg: Config):
         log(f"data.train_batch_size={cfg.data.train_batch_size} is more than the {len(train_set.items)} training "
             "prompts: each batch repeats prompts (the order is reshuffled on every pass)")
     return task, tokenizer, train_set, PromptSet(load_data(cfg, task, "val"), task, tokenizer, cfg, "val")
+
+
+_output_dir_lock = None  # held open for the life of the process
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Rank 0 holds an exclusive lock on output_dir: a second run there stops at once, not racing the first."""
+    global _output_dir_lock
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        handle = open(os.path.join(output_dir, ".lock"), "a+")
+    except OSError as error:  # e.g. under /proc, where the writability check passes for root
+        raise SettingError(f"trainer.output_dir={output_dir} cannot be created ({error.strerror}); "
+                           "pick another") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise SettingError(f"trainer.output_dir={output_dir} is in use by another run (pid {handle.read().strip()}); "
+                           "stop that run or choose another trainer.output_dir") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _output_dir_lock = handle
 
 
 class PromptSet:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import Config, sampler_class
+from config import Config
+from plugins import sampler_class
 
 
 @dataclass
@@ -212,4 +213,4 @@ def forget_moe_kernels(worker) -> None:
             method.moe_kernel = None
 
 
-SAMPLER = VLLMRollout  # what rollout.name=vllm builds (config.SAMPLERS)
+SAMPLER = VLLMRollout  # what rollout.name=vllm builds (plugins.SAMPLERS)

@@ -110,4 +110,4 @@ def clone(params, **changes):
     return copy
 
 
-SAMPLER = OwnProcessVLLM  # what rollout.name=vllm_process builds (config.SAMPLERS)
+SAMPLER = OwnProcessVLLM  # what rollout.name=vllm_process builds (plugins.SAMPLERS)

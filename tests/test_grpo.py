@@ -261,7 +261,7 @@ def test_a_policy_loss_from_a_file_brings_its_own_setting():
 
 def test_dynamic_sampling_keeps_the_groups_whose_scores_differ():
     """DAPO's keep rule: groups of n consecutive scores; all equal is dropped, any spread kept; n = 1 keeps all."""
-    from loop import informative_groups
+    from dapo import informative_groups
 
     assert informative_groups([1, 1, 0, 1, 0, 0, 0.5, 1], 2) == [1, 3]
     assert informative_groups([1, 1, 1, 0, 0, 0], 3) == []

@@ -51,7 +51,7 @@ def test_a_bad_setting_stops_run_sh_with_one_line_before_it_starts_the_processes
 def test_run_sh_refuses_a_locked_output_dir_before_it_starts_the_processes(tmp_path):
     """FSDP_SIZE=2 on CPU with OUTPUT_DIR held by another run: the check before torchrun (loop.py --check: settings,
     model dir, data, output dir) says so in one line, exit 2; no process was started (no step ran)."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, metrics; metrics.lock_output_dir(sys.argv[1]); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, prompts; prompts.lock_output_dir(sys.argv[1]); "
                                "print('locked', flush=True); time.sleep(600)", str(tmp_path)], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -312,7 +312,7 @@ def test_a_fresh_run_starts_a_fresh_metrics_file(tmp_path, monkeypatch):
 
 def test_a_second_run_in_the_same_output_dir_stops_at_once(tmp_path):
     from config import SettingError
-    from metrics import lock_output_dir
+    from prompts import lock_output_dir
 
     lock_output_dir(str(tmp_path))
     with pytest.raises(SettingError, match=f"trainer.output_dir={tmp_path} is in use by another run \\(pid {os.getpid()}\\)"):
@@ -466,11 +466,15 @@ def test_dynamic_sampling_keeps_only_mixed_groups_until_the_batch_is_full():
     line naming the setting."""
     import loop
     from config import SettingError, parse_cli
+    from dapo import DynamicSampling
+
+    def sample_groups(cfg, step, run):
+        return DynamicSampling(cfg, run.engine, loop.slot_groups(cfg, run))(step)
 
     cfg = parse_cli(["--algorithm.filter_groups", "True", "--algorithm.max_num_gen_batches", "3", "--rollout.n", "3",
                      "--data.train_batch_size", "6", "--actor.ppo_mini_batch_size", "6"])
     run = dynamic_sampling_run(Prompts())  # every other group (odd ids) has mixed rewards
-    rollout, scores, metrics = loop.sample_groups(cfg, 2, run)
+    rollout, scores, metrics = sample_groups(cfg, 2, run)
     ids = [p[0] for p in rollout.prompt_ids[::3]]
     assert ids == [401, 403, 405, 501, 503, 505]  # step 2 starts at slot (2 - 1) x 3 + 1 = 4, odd ids only
     assert len(rollout.response_ids) == len(scores) == 18 and scores[:3] == [1.0, 0.0, 0.0]
@@ -478,12 +482,12 @@ def test_dynamic_sampling_keeps_only_mixed_groups_until_the_batch_is_full():
     assert metrics == {"train/num_gen_batches": 2, "train/kept_group_ratio": 0.5,
                        "critic/score/all_mean": pytest.approx(2 / 3)}  # odd ids 1/3, even ones 1
     again = dynamic_sampling_run(Prompts())
-    assert loop.sample_groups(cfg, 2, again)[0] == rollout and again.sampler.calls == run.sampler.calls
+    assert sample_groups(cfg, 2, again)[0] == rollout and again.sampler.calls == run.sampler.calls
     agreeing = dynamic_sampling_run(Prompts())
     agreeing.train_set.batch = lambda slot, size: [([2 * i], str(2 * i)) for i in range(size)]  # all rewards agree
-    rollout, scores, metrics = loop.sample_groups(cfg, 1, agreeing)
+    rollout, scores, metrics = sample_groups(cfg, 1, agreeing)
     assert rollout.response_ids == scores == [] and metrics["train/num_gen_batches"] == 3
     assert metrics["train/kept_group_ratio"] == 0.0 and metrics["critic/score/all_mean"] == 1.0
     cfg.algorithm.stop_at_max_gen_batches = True
     with pytest.raises(SettingError, match="algorithm.max_num_gen_batches=3: step 1 found 0 of 6 groups"):
-        loop.sample_groups(cfg, 1, agreeing)
+        sample_groups(cfg, 1, agreeing)
