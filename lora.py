@@ -131,6 +131,13 @@ def save_on_rank0(tensors: dict[str, torch.Tensor], folder: str, name: str) -> N
         save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
 
 
+def recomputed(model_cfg) -> list[str]:
+    """Selective AC's force-recompute list: the MoE router (torchtitan's default) and, with LoRA, the adapters. Its
+    rule saves every other matmul output; counted, the adapters' small matmuls would shift that rule onto the B
+    outputs, as large as the base's (twice the saved matmul bytes). Recomputing them costs rank-sized matmuls."""
+    return ["moe.router.gate"] + (["lora_a", "lora_b"] if model_cfg.lora_rank else [])
+
+
 def lora_targets(model, names: dict[str, str]) -> list[str]:
     """The torchtitan linears that model.target_modules names (`names`: HF name -> torchtitan name)."""
     wanted = set(names) if "all-linear" in model.target_modules else set(model.target_modules)

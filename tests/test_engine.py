@@ -322,3 +322,73 @@ def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense
         assert (dtype, trainable) == (("torch.float32", True) if name in adapters else ("torch.bfloat16", False)), name
     assert set(got["param_bytes"]) == {"torch.bfloat16", "torch.float32"}
     assert got["state_bytes"] == {"torch.float32": 2 * got["param_bytes"]["torch.float32"]}
+
+
+class LoRALinearLike(torch.nn.Linear):
+    """A frozen linear plus adapters under torchtitan's LoRALinear names (lora_a, lora_b)."""
+
+    def __init__(self, inputs: int, outputs: int, rank: int = 8):
+        super().__init__(inputs, outputs, bias=False)
+        self.weight.requires_grad_(False)
+        self.lora_a = torch.nn.Linear(inputs, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, outputs, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_b(self.lora_a(x))
+
+
+class BlockLike(torch.nn.Module):
+    """A transformer block's five matmuls (fused QKV, output, gate, up, down), in their order."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.wqkv, self.wo, self.w1, self.w3, self.w2 = linear(64, 96), linear(64, 64), linear(64, 160), \
+            linear(64, 160), linear(160, 64)
+
+    def forward(self, x):
+        x = x + self.wo(torch.relu(self.wqkv(x))[..., :64])
+        return x + self.w2(self.w1(x) * self.w3(x))
+
+
+def saved_matmul_bytes(block, ac_config) -> int:
+    """Bytes of the matmul outputs selective AC keeps for the backward in one forward of `block`."""
+    import torchtitan.distributed.activation_checkpoint as titan_ac
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved, original = [], titan_ac.create_selective_checkpoint_contexts
+
+    def counting(policy_fn, *args, **kwargs):
+        def policy(ctx, func, *op_args, **op_kwargs):
+            decision = policy_fn(ctx, func, *op_args, **op_kwargs)
+            if func == torch.ops.aten.mm.default and not ctx.is_recompute and decision == CheckpointPolicy.MUST_SAVE:
+                saved.append(op_args[0].shape[0] * op_args[1].shape[1] * op_args[0].element_size())
+            return decision
+        return original(policy, *args, **kwargs)
+
+    titan_ac.create_selective_checkpoint_contexts = counting
+    try:
+        wrapped = titan_ac.SelectiveAC(ac_config)._wrap_block(block)
+        wrapped(torch.randn(128, 64, requires_grad=True)).sum().backward()
+    finally:
+        titan_ac.create_selective_checkpoint_contexts = original
+    return sum(saved)
+
+
+def test_selective_ac_saves_no_more_matmul_outputs_with_lora(dense_dir):
+    """Selective AC as the engine configures it: a block whose linears carry LoRA adapters keeps exactly the matmul
+    output bytes of the same block without them. torchtitan's default configuration keeps about twice as many (the
+    adapters' matmuls shift its every-other-matmul rule onto their B outputs, as large as the base's)."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from config import parse_cli
+    from engine import trainer_config
+
+    def ac_config(*flags):
+        cfg = parse_cli(["--model.path", dense_dir, "--activation_checkpoint.mode", "selective", *flags])
+        return trainer_config(cfg, dense_dir, 1).activation_checkpoint
+
+    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False)), ac_config())
+    with_lora = saved_matmul_bytes(BlockLike(LoRALinearLike), ac_config("--model.lora_rank", "8"))
+    titan_default = saved_matmul_bytes(BlockLike(LoRALinearLike), SelectiveAC.Config())
+    assert with_lora == full > 0
+    assert titan_default > 1.9 * full
