@@ -3,7 +3,7 @@
     python bench.py --out bench.json              # the update table in benchmarks/ (one GPU, random init, bf16)
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
     python bench.py --profile --trace t.json.gz   # the first case profiled; `python bench_trace.py t.json.gz` sums it
-    python bench.py --lora-ranks 0,32 [--shape 8b] --out lora.json   # the recipe's update without and with LoRA
+    python bench.py --lora-ranks 0,32 [--shape 8b] [--budget 4096] --out lora.json   # the update without/with LoRA
 
 The loop end to end with vLLM is `bench_e2e.py`.
 
@@ -303,11 +303,11 @@ def _hf_micro_batch_loss(model, members, global_tokens, cfg, dtype, device, grpo
     return loss
 
 
-def cases(quick: bool, lora_ranks: list[int] | None = None) -> list[dict]:
+def cases(quick: bool, lora_ranks: list[int] | None = None, budget: int | None = None) -> list[dict]:
     """The configurations measured, most important first (a timeout keeps the first rows)."""
-    if lora_ranks is not None:  # the recipe's update (or the quick one) at each rank
+    if lora_ranks is not None:  # the recipe's update (or the quick one) at each rank, at its budget or `budget`
         base = cases(quick)[1] if quick else dict(attn="flex", compile=True, ac="selective", budget=16384)
-        return [dict(base, lora=rank) for rank in lora_ranks]
+        return [dict(base, lora=rank, budget=budget or base["budget"]) for rank in lora_ranks]
     if quick:
         return [dict(attn="sdpa", compile=False, ac="none", budget=2048),
                 dict(attn="sdpa", compile=False, ac="selective", budget=2048)]
@@ -350,6 +350,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
     parser.add_argument("--lora-ranks", default=None,
                         help="comma-separated LoRA ranks (0: off) of the recipe's update; no HF baseline, no extras")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="with --lora-ranks: tokens per micro-batch (default: the recipe's 16384)")
     parser.add_argument("--shape", choices=("0.6b", "8b"), default="0.6b", help="Qwen3 shapes (random weights)")
     args = parser.parse_args()
     args.device = "cpu" if args.quick else "cuda"
@@ -377,7 +379,7 @@ def main() -> None:
               "hf": {} if args.lora_ranks else hf_baseline(args, hf_config, samples)}
     print(f"{report['device']}: {len(samples)} sequences, {tokens} tokens per update", flush=True)
     save(report, args.out)
-    all_cases = cases(args.quick, args.lora_ranks)
+    all_cases = cases(args.quick, args.lora_ranks, args.budget)
     chosen = [int(i) for i in args.cases.split(",")] if args.cases else range(len(all_cases))
     for index in chosen:
         extras = index == chosen[0] and not args.lora_ranks
