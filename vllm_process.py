@@ -25,6 +25,7 @@ class OwnProcessVLLM(VLLMRollout):
     def __init__(self, cfg, engine, eos_token_ids=None):
         with engine_on_this_ranks_gpu(engine.device):
             super().__init__(cfg, engine, eos_token_ids)
+        self.copies_in_place = False  # every sync goes through load() (IPC or bytes), never an in-process copy
 
     def engine_options(self, on_gpu: bool) -> dict:
         """vLLM's own process group of one, not torchrun's; the IPC weight-transfer backend on a GPU. On CPU (which
