@@ -25,7 +25,7 @@ import time
 import torch
 
 from config import Config, validate
-from engine import TorchTitanEngineWithLMHead
+from engine import ONE_PROCESS, TorchTitanEngineWithLMHead
 from loop import Sample, compute_logprobs, forward_backward_batch, grpo_loss_fn, pack_micro_batches
 from tiny import write_model_dir
 
@@ -363,6 +363,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    os.environ.update({**ONE_PROCESS, **os.environ})  # one process, no torchrun
     if args.quick:
         import cpu
         from engine import init_process_group

@@ -28,6 +28,7 @@ import loop
 import lora
 from bench import QWEN3_0P6B, QWEN3_8B, HostClock, Timer
 from config import parse_cli, sampler_class
+from engine import ONE_PROCESS
 from tiny import write_model_dir
 
 
@@ -362,6 +363,7 @@ def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, loop_flags = parser.parse_args(argv[:split]), argv[split + 1:]
+    os.environ.update({**ONE_PROCESS, **os.environ})  # one process, no torchrun
     args.device = "cpu" if args.quick else "cuda"
     shapes = QUICK if args.quick else {"0.6b": QWEN3_0P6B, "8b": QWEN3_8B}[args.shape]
     args.model_dir = write_model_dir(args.model_dir or tempfile.mkdtemp(prefix="bench_model_"), shapes, "qwen3", None)

@@ -40,13 +40,15 @@ from config import (
 from logprobs import IGNORE_INDEX, GatherOverCP, full_tensor, token_logprobs, tp_group_and_vocab
 
 
+# what torchrun sets, for one process started without it (entry points set them: torchtitan reads LOCAL_RANK itself)
+ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+
+
 def init_process_group(device: str) -> None:
-    """Init torch.distributed (nccl on GPU, gloo on CPU); works without torchrun too."""
+    """Init torch.distributed (nccl on GPU, gloo on CPU) from torchrun's environment variables."""
     if dist.is_initialized():
         return
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
-        os.environ.setdefault(name, value)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # gloo beside nccl: small bookkeeping collectives (counts, flags, objects) run on CPU tensors

@@ -23,7 +23,7 @@ import dapo
 import grpo
 import offpolicy
 from config import Config, parse_cli
-from engine import IGNORE_INDEX, TorchTitanEngineWithLMHead, pack, to_device
+from engine import IGNORE_INDEX, ONE_PROCESS, TorchTitanEngineWithLMHead, pack, to_device
 from metrics import MetricsLog, log, perf_metrics, quiet_known_noise, rollout_metrics
 from plugins import algorithm_function, one_line_errors, sampler_class
 from prompts import PromptSet, check_inputs, eos_token_ids
@@ -398,6 +398,7 @@ def main(argv: list[str]) -> None:
     """Train with the settings in argv (`--check` first: only check_inputs, as run.sh does before it starts several
     processes); a bad input ends the process with one line on stderr and exit code 2."""
     quiet_known_noise()
+    os.environ.update({**ONE_PROCESS, **os.environ})  # without torchrun: one process
     check_only = argv[:1] == ["--check"]
     with one_line_errors():
         cfg = parse_cli(argv[check_only:])

@@ -33,8 +33,7 @@ class Sampler(Protocol):
 
     environment: dict[str, str]  # environment variables the entry point sets before building it
     uses_rollout_tp: bool  # it runs rollout.tensor_parallel_size-rank groups (the size must divide TP x CP)
-    generates_beside_the_trainer: bool  # it holds weights of its own and its own thread: it can generate while the
-    # trainer updates (the one-step off-policy mode)
+    generates_beside_the_trainer: bool  # own weights and thread: it can generate while the trainer updates
 
     def generate(self, prompt_ids: list[list[int]], n: int, greedy: bool = False, seed: int = 0,
                  logprob_samples: int | None = None) -> Rollout: ...
@@ -57,8 +56,7 @@ class VLLMRollout:
 
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine in this process: the sync copies in place
     uses_rollout_tp = True
-    # its host work and the trainer's would take turns on one interpreter lock (the step slower than synchronous)
-    generates_beside_the_trainer = False
+    generates_beside_the_trainer = False  # beside the update it would share the interpreter lock: a slower step
 
     def __init__(self, cfg: Config, engine, eos_token_ids: list[int] | None = None):
         wrong = {k: v for k, v in self.environment.items() if os.environ.get(k) != v}

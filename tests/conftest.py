@@ -52,11 +52,14 @@ def fatal_error(stderr: str | None) -> str:
 
 
 def run_worker(script: str, out, *args, env: dict | None = None):
-    """Run tests/<script> in a fresh single process (its argv: *args) and return what it saved to `out`."""
+    """Run tests/<script> in a fresh single process (its argv: *args; torchrun's variables for one process) and return
+    what it saved to `out`."""
     import torch
+
+    from engine import ONE_PROCESS
 
     result = subprocess.run([sys.executable, os.path.join(TESTS, script), *map(str, args)], capture_output=True,
                             text=True, timeout=900, cwd=ROOT,
-                            env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})})
+                            env={**ONE_PROCESS, **os.environ, "MASTER_PORT": str(free_port()), **(env or {})})
     assert result.returncode == 0, failure_text(result)
     return torch.load(out)

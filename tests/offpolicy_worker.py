@@ -1,4 +1,4 @@
-"""Run under torchrun (or alone): three one-step off-policy GRPO steps with vLLM (float32 CPU) on arithmetic
+"""Run under torchrun: three one-step off-policy GRPO steps with vLLM (float32 CPU) on arithmetic
 prompts. For each step's samples: the largest difference between their rollout log-probs and the engine's under
 the weights of one update before the step's start, and under the step's starting weights; the seeds of the
 generate calls; what is left running after the last step; whether the trainer thread's torch and numpy RNG states are
