@@ -23,6 +23,7 @@ class OwnProcessVLLM(VLLMRollout):
     generates_beside_the_trainer = True
 
     def __init__(self, cfg, engine, eos_token_ids=None):
+        self.transfer_ready = False  # vLLM's IPC receiver is set up at the first load (the base class syncs once)
         with engine_on_this_ranks_gpu(engine.device):
             super().__init__(cfg, engine, eos_token_ids)
         self.copies_in_place = False  # every sync goes through load() (IPC or bytes), never an in-process copy
@@ -55,7 +56,7 @@ class OwnProcessVLLM(VLLMRollout):
             return
         from torch.multiprocessing.reductions import reduce_tensor
 
-        if not getattr(self, "transfer_ready", False):
+        if not self.transfer_ready:
             self.llm.collective_rpc("init_weight_transfer_engine", args=({"packed": True},))
             self.transfer_ready = True
         buffer, update = pack_weights(weights)
