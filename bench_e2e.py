@@ -295,12 +295,12 @@ def compare_off_policy(args, loop_flags: list[str]) -> dict:
     mode generates synchronously) of each, and its ratio to the synchronous one."""
     modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True", "--rollout.name",
                                                         "vllm_process"]}
-    modes.update(variant.split(":", 1) for variant in args.also)
+    modes.update((name, spec.split()) for name, spec in (variant.split(":", 1) for variant in args.also))
     report = {}
-    for mode, spec in modes.items():
-        words = spec if isinstance(spec, list) else spec.split()
-        env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))  # KEY=VALUE: environment
-        flags = [w for w in words if not ("=" in w and not w.startswith("-"))]
+    for mode, words in modes.items():
+        setting = {w: "=" in w and not w.startswith("-") for w in words}  # KEY=VALUE: an environment variable
+        env = dict(w.split("=", 1) for w in words if setting[w])
+        flags = [w for w in words if not setting[w]]
         out = tempfile.mkdtemp(prefix=f"bench_e2e_{mode}_")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--steps-only",
                         "--shape", args.shape,
@@ -310,11 +310,12 @@ def compare_off_policy(args, loop_flags: list[str]) -> dict:
         with open(f"{out}/e2e.json") as f:
             report[mode] = json.load(f)
         rows = report[mode]["steps"]
-        report[mode].update(spec=spec, mean_step_s=sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1))
+        report[mode].update(spec=" ".join(words),
+                            mean_step_s=sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1))
     sync_s = report["synchronous"]["mean_step_s"]
     for mode in modes:
         rows = report[mode]["steps"]
-        print(f"\n{mode} ({' '.join(modes[mode]) if isinstance(modes[mode], list) else modes[mode]}):", end="")
+        print(f"\n{mode} ({report[mode]['spec']}):", end="")
         print_steps(rows, OFF_POLICY_PHASES if "timing_s/gen_ahead" in rows[-1] else PHASES)
         report[mode]["ratio"] = report[mode]["mean_step_s"] / sync_s
     for mode in list(modes)[1:]:

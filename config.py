@@ -2,8 +2,8 @@
 
 Sections mirror torchtitan where they overlap; defaults follow verl's GSM8K GRPO recipe. `data.task`, `model.family`,
 `rollout.name` and the algorithm's estimator and loss name plug-in modules (plugins.py loads them); the task's
-`Settings` is the `reward` section. `validate` rejects bad input
-with a one-line `SettingError` before any heavy work (`python loop.py --check FLAGS` runs the checks alone).
+`Settings` is the `reward` section. `validate` rejects bad input with a one-line `SettingError` before any heavy work
+(`python loop.py --check FLAGS` runs the checks alone).
 """
 
 import argparse
