@@ -4,6 +4,7 @@
     python bench.py --quick --out /tmp/b.json     # a tiny model on CPU: checks that the script runs
     python bench.py --profile --trace t.json.gz   # the first case profiled; `python bench_trace.py t.json.gz` sums it
     python bench.py --lora-ranks 0,32 [--shape 8b] [--budget 4096] --out lora.json   # the update without/with LoRA
+    python bench.py --lora-ranks 0,32 --profile --trace t.json.gz   # each rank's update profiled: t.r0.json.gz, ...
 
 The loop end to end with vLLM is `bench_e2e.py`.
 
@@ -161,8 +162,8 @@ def run_engine_case(case: dict, model_dir: str, samples, args, extras: bool) -> 
         for _ in engine.export_hf_weights(dtype=torch.bfloat16 if args.device == "cuda" else None):
             pass
     row["export_s"] = t.seconds
-    if args.profile and extras:
-        row["profile"] = profile_update(engine, cfg, samples, args)
+    if args.profile and (extras or args.lora_ranks):  # LoRA: every rank's update, to compare their kernels
+        row["profile"] = profile_update(engine, cfg, samples, args, case.get("lora", 0))
     if extras:
         try:
             row.update(extra_measurements(engine, cfg, samples, args))
@@ -172,8 +173,9 @@ def run_engine_case(case: dict, model_dir: str, samples, args, extras: bool) -> 
     return row
 
 
-def profile_update(engine, cfg, samples, args) -> dict:
-    """One profiled update: top kernels, GPU-busy fraction, host syncs; the trace goes to --trace."""
+def profile_update(engine, cfg, samples, args, lora: int = 0) -> dict:
+    """One profiled update: top kernels, GPU-busy fraction, host syncs; the trace goes to --trace (LoRA: one per
+    rank, `.r<rank>` before the suffix)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -183,7 +185,8 @@ def profile_update(engine, cfg, samples, args) -> dict:
                                       row_limit=25)
     print(table, flush=True)
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        stem, dot_json, rest = args.trace.partition(".json")
+        prof.export_chrome_trace(f"{stem}.r{lora}{dot_json}{rest}" if args.lora_ranks else args.trace)
     busy = _busy_seconds([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
     return {"table": table, "update_seconds": seconds, "gpu_busy_seconds": busy,
             "host_syncs": host_syncs(engine, cfg, samples, args.device)}
@@ -345,7 +348,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rollout-prompts", type=int, default=64)
     parser.add_argument("--rollout-tokens", type=int, default=128)
     parser.add_argument("--cases", default=None, help="comma-separated indices of the configurations to run")
-    parser.add_argument("--profile", action="store_true", help="profile one update of the first case")
+    parser.add_argument("--profile", action="store_true", help="profile one update of the first case (LoRA: of each)")
     parser.add_argument("--trace", default=None, help="with --profile: write the first case's Chrome trace here")
     parser.add_argument("--hf-json", default=None, help="reuse the HF baseline of an earlier report")
     parser.add_argument("--lora-ranks", default=None,
