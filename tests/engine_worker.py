@@ -47,6 +47,7 @@ def main():
     with engine.eval_mode():
         result["initial_logprobs"] = engine.forward(*packed(seqs), temperature=0.9)[0].cpu()
     before = parameters(engine)
+    frozen = [p for p in engine.model.parameters() if not p.requires_grad]  # as stored, outside a mode's block
     with engine.train_mode():
         for _ in range(2):
             loss_sum = torch.zeros((), device=engine.device)
@@ -55,6 +56,9 @@ def main():
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
                 engine.backward(loss)
                 loss_sum += loss.detach()
+                if "frozen_held_bytes" not in result:  # the stored frozen tensors and any gathered copies of them
+                    now = [p for p in engine.model.parameters() if not p.requires_grad]
+                    result["frozen_held_bytes"] = storage_bytes(frozen + now)
             result["loss"].append(engine.dp_all_reduce(loss_sum).item())
             grad_norm, _ = engine.optimizer_step()
             result["grad_norm"].append(grad_norm)
@@ -67,6 +71,7 @@ def main():
     result["optimized"] = sorted(canonical_fqn(n) for n, p in engine.model.named_parameters() if id(p) in masters)
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     result["storage"] = storage(engine)
+    result["frozen_stored_bytes"] = storage_bytes(frozen)
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights
@@ -90,6 +95,15 @@ def storage(engine) -> dict:
                 size = local.numel() * local.element_size()
                 state_bytes[str(local.dtype)] = state_bytes.get(str(local.dtype), 0) + size
     return {"params": params, "param_bytes": param_bytes, "state_bytes": state_bytes}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def parameters(engine):

@@ -312,16 +312,19 @@ def test_lora_checkpoint_resume_and_exports(dense_dir, tmp_path):
 def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense_dir, tmp_path):
     """model.dtype=bfloat16 with LoRA: every base parameter is bfloat16 and frozen (2 bytes a parameter, no float32
     master), the adapters alone are float32 and trainable, and the optimizer state is AdamW's two float32 moments of
-    the adapters and nothing else."""
+    the adapters and nothing else. During the update the base is held once: no gathered copy beside it (FSDP's gather
+    on a one-rank shard group is a copy)."""
     nproc, flags = (1, []) if layout == "one_process" else LAYOUTS[layout]
-    got = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags, *LORA, "--model.dtype", "bfloat16",
-                   backend=backend)["storage"]
+    run = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags, *LORA, "--model.dtype", "bfloat16",
+                   backend=backend)
+    got = run["storage"]
     adapters = {name for name in got["params"] if ".lora_a." in name or ".lora_b." in name}
     assert len(adapters) == 20
     for name, (dtype, trainable) in got["params"].items():
         assert (dtype, trainable) == (("torch.float32", True) if name in adapters else ("torch.bfloat16", False)), name
     assert set(got["param_bytes"]) == {"torch.bfloat16", "torch.float32"}
     assert got["state_bytes"] == {"torch.float32": 2 * got["param_bytes"]["torch.float32"]}
+    assert run["frozen_held_bytes"] == run["frozen_stored_bytes"] >= got["param_bytes"]["torch.bfloat16"]
 
 
 class LoRALinearLike(torch.nn.Linear):
