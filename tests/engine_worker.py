@@ -4,11 +4,14 @@ fixed packed batch, save loss / grad norm / log-probs / final HF weights (rank 0
     torchrun --nproc_per_node=N tests/engine_worker.py OUT.pt MODEL_DIR [--section.field value ...]
 """
 
+import collections
+import contextlib
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,9 +57,12 @@ def main():
             for micro in (mine[: len(mine) // 2], mine[len(mine) // 2:]):  # two micro-batches per rank
                 logprobs, entropy = engine.forward(*packed(micro), temperature=0.9, with_entropy=True)
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
-                engine.backward(loss)
+                first = "frozen_held_bytes" not in result
+                with MatmulShapes() if first else contextlib.nullcontext() as matmuls:
+                    engine.backward(loss)
                 loss_sum += loss.detach()
-                if "frozen_held_bytes" not in result:  # the stored frozen tensors and any gathered copies of them
+                if first:  # what the backward multiplied; the stored frozen tensors and any gathered copies of them
+                    result["backward_matmul_shapes"] = matmuls.shapes
                     now = [p for p in engine.model.parameters() if not p.requires_grad]
                     result["frozen_held_bytes"] = storage_bytes(frozen + now)
             result["loss"].append(engine.dp_all_reduce(loss_sum).item())
@@ -72,6 +78,7 @@ def main():
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     result["storage"] = storage(engine)
     result["frozen_stored_bytes"] = storage_bytes(frozen)
+    result["shapes"] = {canonical_fqn(n): tuple(p.shape) for n, p in engine.model.named_parameters()}
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights
@@ -95,6 +102,20 @@ def storage(engine) -> dict:
                 size = local.numel() * local.element_size()
                 state_bytes[str(local.dtype)] = state_bytes.get(str(local.dtype), 0) + size
     return {"params": params, "param_bytes": param_bytes, "state_bytes": state_bytes}
+
+
+class MatmulShapes(TorchDispatchMode):
+    """Counts the output shapes of the matrix products run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.shapes[tuple(out.shape)] += 1
+        return out
 
 
 def storage_bytes(tensors) -> int:

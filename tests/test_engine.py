@@ -313,7 +313,7 @@ def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense
     """model.dtype=bfloat16 with LoRA: every base parameter is bfloat16 and frozen (2 bytes a parameter, no float32
     master), the adapters alone are float32 and trainable, and the optimizer state is AdamW's two float32 moments of
     the adapters and nothing else. During the update the base is held once: no gathered copy beside it (FSDP's gather
-    on a one-rank shard group is a copy)."""
+    on a one-rank shard group is a copy), and its backward computes no weight gradient of the base."""
     nproc, flags = (1, []) if layout == "one_process" else LAYOUTS[layout]
     run = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags, *LORA, "--model.dtype", "bfloat16",
                    backend=backend)
@@ -325,6 +325,10 @@ def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense
     assert set(got["param_bytes"]) == {"torch.bfloat16", "torch.float32"}
     assert got["state_bytes"] == {"torch.float32": 2 * got["param_bytes"]["torch.float32"]}
     assert run["frozen_held_bytes"] == run["frozen_stored_bytes"] >= got["param_bytes"]["torch.bfloat16"]
+    shapes = run["shapes"]
+    frozen = {shapes[name] for name in got["params"] if name not in adapters and len(shapes[name]) == 2}
+    assert not frozen & set(run["backward_matmul_shapes"])  # no weight gradient of the frozen base is computed
+    assert {shapes[name] for name in adapters} <= set(run["backward_matmul_shapes"])  # the adapters' are
 
 
 class LoRALinearLike(torch.nn.Linear):
