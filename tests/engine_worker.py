@@ -78,7 +78,8 @@ def main():
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     result["storage"] = storage(engine)
     result["frozen_stored_bytes"] = storage_bytes(frozen)
-    result["shapes"] = {canonical_fqn(n): tuple(p.shape) for n, p in engine.model.named_parameters()}
+    result["shapes"] = {canonical_fqn(n): {tuple(p.shape), tuple(local(p).shape)}  # whole, this rank's
+                        for n, p in engine.model.named_parameters()}
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         result["weights"] = weights
@@ -93,14 +94,14 @@ def storage(engine) -> dict:
     params = {canonical_fqn(n): (str(p.dtype), p.requires_grad) for n, p in engine.model.named_parameters()}
     param_bytes, state_bytes = {}, {}
     for p in engine.model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        param_bytes[str(p.dtype)] = param_bytes.get(str(p.dtype), 0) + local.numel() * local.element_size()
+        shard = local(p)
+        param_bytes[str(p.dtype)] = param_bytes.get(str(p.dtype), 0) + shard.numel() * shard.element_size()
     for state in engine.optimizers.optimizers[0].state.values():
         for value in state.values():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            if local.dim():  # the step counters are scalars
-                size = local.numel() * local.element_size()
-                state_bytes[str(local.dtype)] = state_bytes.get(str(local.dtype), 0) + size
+            shard = local(value)
+            if shard.dim():  # the step counters are scalars
+                size = shard.numel() * shard.element_size()
+                state_bytes[str(shard.dtype)] = state_bytes.get(str(shard.dtype), 0) + size
     return {"params": params, "param_bytes": param_bytes, "state_bytes": state_bytes}
 
 
@@ -122,9 +123,13 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
     storages = {}
     for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        storages[local(t).untyped_storage().data_ptr()] = local(t).untyped_storage().nbytes()
     return sum(storages.values())
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def parameters(engine):
