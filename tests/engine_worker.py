@@ -52,12 +52,12 @@ def main():
     before = parameters(engine)
     frozen = [p for p in engine.model.parameters() if not p.requires_grad]  # as stored, outside a mode's block
     with engine.train_mode():
-        for _ in range(2):
+        for step in range(2):
             loss_sum = torch.zeros((), device=engine.device)
-            for micro in (mine[: len(mine) // 2], mine[len(mine) // 2:]):  # two micro-batches per rank
+            for index, micro in enumerate((mine[: len(mine) // 2], mine[len(mine) // 2:])):  # two per rank
                 logprobs, entropy = engine.forward(*packed(micro), temperature=0.9, with_entropy=True)
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
-                first = "frozen_held_bytes" not in result
+                first = step == index == 0
                 with MatmulShapes() if first else contextlib.nullcontext() as matmuls:
                     engine.backward(loss)
                 loss_sum += loss.detach()
@@ -122,8 +122,8 @@ class MatmulShapes(TorchDispatchMode):
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
     storages = {}
-    for t in tensors:
-        storages[local(t).untyped_storage().data_ptr()] = local(t).untyped_storage().nbytes()
+    for held in (local(t).untyped_storage() for t in tensors):
+        storages[held.data_ptr()] = held.nbytes()
     return sum(storages.values())
 
 
