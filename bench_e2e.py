@@ -5,6 +5,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): ev
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
         [--also "NAME:--rollout.name vllm_process OMP_NUM_THREADS=1"]  # one more run: its flags, environment
+        [--mps]  # the off-policy runs as clients of a CUDA MPS server of their own (kernels of both sides at once)
     python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's LoRA path vs the merged sync
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
@@ -16,6 +17,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -289,40 +291,83 @@ def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
               + f"{row.get('gpu_busy', float('nan')):>10.0%}")
 
 
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+@contextlib.contextmanager
+def private_mps(start: bool):
+    """Yields the environment that makes a process a client of a CUDA MPS server of this run's own (its control
+    daemon's pipe and log directories in a temporary one), or {} when not started; the daemon quits on exit.
+    Without MPS the kernels of two processes take turns on the GPU (time-slicing); under one MPS server they run
+    at once, as kernels of two streams of one process do."""
+    if not start:
+        yield {}
+        return
+    root = tempfile.mkdtemp(prefix="bench_mps_")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{root}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{root}/log"}
+    for path in env.values():
+        os.makedirs(path)
+    subprocess.run([MPS_CONTROL, "-d"], env={**os.environ, **env}, check=True)
+    try:
+        yield env
+    finally:
+        subprocess.run([MPS_CONTROL], input=b"quit\n", env={**os.environ, **env}, check=False)
+
+
+def mps_clients(env: dict) -> int:
+    """How many client connections the private MPS server's control log records (0 without one): proof that the
+    runs did share the GPU through it rather than silently falling back to time-slicing."""
+    log = os.path.join(env.get("CUDA_MPS_LOG_DIRECTORY", ""), "control.log")
+    if not os.path.exists(log):
+        return 0
+    with open(log) as f:
+        return sum("new client" in line.lower() for line in f)
+
+
 def compare_off_policy(args, loop_flags: list[str]) -> dict:
     """The steps synchronous, with trainer.one_step_off_policy, and with each --also variant (same prompts and seeds),
     each in a fresh process of this script; the mean step after the first (which compiles, and which the off-policy
-    mode generates synchronously) of each, and its ratio to the synchronous one."""
+    mode generates synchronously) of each, and its ratio to the synchronous one. With --mps every run but the
+    synchronous baseline is a client of a private MPS server."""
     modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True", "--rollout.name",
                                                         "vllm_process"]}
     modes.update((name, spec.split()) for name, spec in (variant.split(":", 1) for variant in args.also))
     report = {}
-    for mode, words in modes.items():
-        setting = {w: "=" in w and not w.startswith("-") for w in words}  # KEY=VALUE: an environment variable
-        env = dict(w.split("=", 1) for w in words if setting[w])
-        flags = [w for w in words if not setting[w]]
-        out = tempfile.mkdtemp(prefix=f"bench_e2e_{mode}_")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--steps-only",
-                        "--shape", args.shape,
-                        "--model-dir", args.model_dir, "--out", f"{out}/e2e.json", *(["--quick"] if args.quick else []),
-                        "--", *loop_flags, "--rollout.free_cache_engine", "False", *flags,
-                        "--trainer.output_dir", f"{out}/run"], check=True, env={**os.environ, **env})
-        with open(f"{out}/e2e.json") as f:
-            report[mode] = json.load(f)
-        rows = report[mode]["steps"]
-        report[mode].update(spec=" ".join(words),
-                            mean_step_s=sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1))
+    with private_mps(args.mps) as mps_env:
+        for mode, words in modes.items():
+            report[mode] = run_mode(args, loop_flags, mode, words, {} if mode == "synchronous" else mps_env)
+        report["mps_clients"] = mps_clients(mps_env)
     sync_s = report["synchronous"]["mean_step_s"]
     for mode in modes:
         rows = report[mode]["steps"]
         print(f"\n{mode} ({report[mode]['spec']}):", end="")
         print_steps(rows, OFF_POLICY_PHASES if "timing_s/gen_ahead" in rows[-1] else PHASES)
         report[mode]["ratio"] = report[mode]["mean_step_s"] / sync_s
+    if args.mps:
+        print(f"MPS: the server's control log records {report['mps_clients']} client connections")
     for mode in list(modes)[1:]:
         print(f"{mode}: step {report[mode]['mean_step_s']:.2f} s against {sync_s:.2f} s synchronous (mean of steps "
               f"2-{args.steps}): {report[mode]['ratio']:.2f}x")
     report["ratio"] = report["one_step_off_policy"]["ratio"]
     return report
+
+
+def run_mode(args, loop_flags: list[str], mode: str, words: list[str], mps_env: dict) -> dict:
+    """One mode's steps in a fresh process of this script: its loop flags and KEY=VALUE environment in words."""
+    setting = {w: "=" in w and not w.startswith("-") for w in words}  # KEY=VALUE: an environment variable
+    env = {**mps_env, **dict(w.split("=", 1) for w in words if setting[w])}
+    flags = [w for w in words if not setting[w]]
+    out = tempfile.mkdtemp(prefix=f"bench_e2e_{mode}_")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--steps-only",
+                    "--shape", args.shape,
+                    "--model-dir", args.model_dir, "--out", f"{out}/e2e.json", *(["--quick"] if args.quick else []),
+                    "--", *loop_flags, "--rollout.free_cache_engine", "False", *flags,
+                    "--trainer.output_dir", f"{out}/run"], check=True, env={**os.environ, **env})
+    with open(f"{out}/e2e.json") as f:
+        report = json.load(f)
+    rows = report["steps"]
+    return {**report, "spec": " ".join(words) + (" (MPS)" if mps_env else ""),
+            "mean_step_s": sum(r["timing_s/step"] for r in rows[1:]) / max(len(rows) - 1, 1)}
 
 
 def print_e2e(report: dict) -> None:
@@ -360,10 +405,15 @@ def main() -> None:
                         help="the steps synchronous and one-step off-policy, each in its own process, and their ratio")
     parser.add_argument("--also", action="append", default=[], metavar="NAME:ARGS",
                         help="with --one-step-off-policy, one more run: loop flags and KEY=VALUE environment in ARGS")
+    parser.add_argument("--mps", action="store_true",
+                        help="with --one-step-off-policy, the runs but the synchronous one under a private CUDA MPS server")
     parser.add_argument("--steps-only", action="store_true", help="no vLLM reference rounds, no sync parts")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, loop_flags = parser.parse_args(argv[:split]), argv[split + 1:]
+    if args.mps and not (args.one_step_off_policy and shutil.which(MPS_CONTROL)):
+        sys.exit(print(f"--mps: needs --one-step-off-policy and {MPS_CONTROL} on PATH (CUDA's MPS, a GPU host)",
+                       file=sys.stderr) or 2)
     os.environ.update({**ONE_PROCESS, **os.environ})  # one process, no torchrun
     args.device = "cpu" if args.quick else "cuda"
     shapes = QUICK if args.quick else {"0.6b": QWEN3_0P6B, "8b": QWEN3_8B}[args.shape]

@@ -71,3 +71,43 @@ def test_read_trace_sums_kernel_time_by_kind_and_the_idle_gaps(tmp_path, capsys)
     assert [line.split(None, 1) for line in by_kind] == [
         ["4.0", "matmul"], ["2.0", "attention"], ["0.6", "memcpy / memset"], ["0.5", "FSDP copy"],
         ["0.4", "other fused (Inductor)"], ["0.3", "other"]]
+
+
+def test_mps_is_refused_in_one_line_without_the_off_policy_comparison():
+    run = subprocess.run([sys.executable, "bench_e2e.py", "--mps", "--quick", "--steps", "1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "--mps: needs --one-step-off-policy and nvidia-cuda-mps-control on PATH (CUDA's MPS, a GPU host)"]
+
+
+def test_mps_serves_every_run_but_the_synchronous_baseline_and_quits(tmp_path, monkeypatch):
+    """A stand-in control daemon records how it was called; the runs see its pipe directory in their environment."""
+    import argparse
+
+    import bench_e2e
+
+    calls = tmp_path / "calls.txt"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text('#!/bin/sh\nlog="$CUDA_MPS_LOG_DIRECTORY/control.log"\n'
+                       f'if [ "$1" = -d ]; then echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+                       '  echo "[ts] Control: New client 1 connected" >> "$log"\n'
+                       '  echo "[ts] Control: New client 2 connected" >> "$log"\n'
+                       f'else echo "$(cat -) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}; fi\n')
+    control.chmod(0o755)
+    monkeypatch.setattr(bench_e2e, "MPS_CONTROL", str(control))
+    seen = {}
+
+    def run_mode(args, loop_flags, mode, words, mps_env):
+        seen[mode] = mps_env
+        return {"steps": [{"timing_s/step": 2.0}, {"timing_s/step": 1.0}], "spec": mode, "mean_step_s": 1.0}
+
+    monkeypatch.setattr(bench_e2e, "run_mode", run_mode)
+    monkeypatch.setattr(bench_e2e, "print_steps", lambda rows, phases: None)
+    args = argparse.Namespace(mps=True, also=["synchronous_mps:"], steps=2)
+    report = bench_e2e.compare_off_policy(args, [])
+    assert seen["synchronous"] == {}
+    pipe = seen["one_step_off_policy"]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert seen["synchronous_mps"] == seen["one_step_off_policy"] and pipe
+    assert calls.read_text().splitlines() == [f"start pipe={pipe}", f"quit pipe={pipe}"]  # started, then quit
+    assert report["mps_clients"] == 2  # the connections the control log records
