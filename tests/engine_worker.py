@@ -78,6 +78,8 @@ def main():
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     result["storage"] = storage(engine)
     result["frozen_stored_bytes"] = storage_bytes(frozen)
+    adapted = (m for m in engine.model.modules() if hasattr(m, "lora_a"))
+    result["lora_forwards"] = sorted({type(m).forward.__qualname__ for m in adapted})
     result["shapes"] = {canonical_fqn(n): {tuple(p.shape), tuple(local(p).shape)}  # whole, this rank's
                         for n, p in engine.model.named_parameters()}
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
