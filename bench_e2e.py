@@ -317,7 +317,7 @@ def private_mps(start: bool):
 def mps_clients(env: dict) -> int:
     """How many client connections the private MPS server's control log records (0 without one): proof that the
     runs did share the GPU through it rather than silently falling back to time-slicing."""
-    log = os.path.join(env.get("CUDA_MPS_LOG_DIRECTORY", ""), "control.log")
+    log = os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log") if env else ""
     if not os.path.exists(log):
         return 0
     with open(log) as f:

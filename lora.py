@@ -60,14 +60,16 @@ def rank_scaled(lora_cls: type) -> type:
     """torchtitan's LoRA linear computing W x + B (scale A x) instead of W x + scale (B A x): the scale multiplies the
     [tokens, rank] tensor, not a [tokens, out] one (a pass over the output each way, forward and backward, per
     adapted linear). The same function; with alpha = 2 x rank the same bits."""
-    if lora_cls not in _RANK_SCALED and lora_cls not in _RANK_SCALED.values():
+    if lora_cls in _RANK_SCALED.values():  # already swapped
+        return lora_cls
+    if lora_cls not in _RANK_SCALED:
         class RankScaled(lora_cls):
             def forward(self, input: torch.Tensor) -> torch.Tensor:
                 return super(lora_cls, self).forward(input) + self.lora_b(self._lora_scaling * self.lora_a(input))
 
         RankScaled.__name__ = RankScaled.__qualname__ = lora_cls.__name__
         _RANK_SCALED[lora_cls] = RankScaled
-    return _RANK_SCALED.get(lora_cls, lora_cls)
+    return _RANK_SCALED[lora_cls]
 
 
 def init_adapters(model: torch.nn.Module, seed: int) -> None:

@@ -58,7 +58,7 @@ def main():
                 logprobs, entropy = engine.forward(*packed(micro), temperature=0.9, with_entropy=True)
                 loss = -(logprobs.sum() + ENTROPY_COEF * entropy.sum()) / total_tokens  # globally normalised
                 first = step == index == 0
-                with MatmulShapes() if first else contextlib.nullcontext() as matmuls:
+                with OutputShapes() if first else contextlib.nullcontext() as matmuls:
                     engine.backward(loss)
                 loss_sum += loss.detach()
                 if first:  # what the backward multiplied; the stored frozen tensors and any gathered copies of them
@@ -107,16 +107,19 @@ def storage(engine) -> dict:
     return {"params": params, "param_bytes": param_bytes, "state_bytes": state_bytes}
 
 
-class MatmulShapes(TorchDispatchMode):
-    """Counts the output shapes of the matrix products run under it."""
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 
-    def __init__(self):
+
+class OutputShapes(TorchDispatchMode):
+    """Counts the output shapes of the ops (aten packets, any overload) run under it."""
+
+    def __init__(self, ops=MATMULS):
         super().__init__()
-        self.shapes = collections.Counter()
+        self.ops, self.shapes = ops, collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+        if func.overloadpacket in self.ops:
             self.shapes[tuple(out.shape)] += 1
         return out
 
