@@ -1,6 +1,6 @@
 """vLLM with its engine core in processes of its own (`--rollout.name vllm_process`): the scheduler and the GPU worker
 run there, so the trainer's Python thread is free while vLLM generates, and the weights travel over CUDA IPC through
-vLLM's weight-transfer API (one packed buffer a sync). The one-step off-policy mode needs that freed thread to update
+vLLM's weight-transfer API (packed chunks through one reused buffer). The one-step off-policy mode needs that freed thread to update
 beside the generation (benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
 
 import contextlib
@@ -48,25 +48,20 @@ class OwnProcessVLLM(VLLMRollout):
         return [p if p.temperature == 0 else clone(p, seed=seeds.getrandbits(62)) for p in params]
 
     def load(self, weights) -> None:
-        """(HF name, tensor) pairs into the engine: one packed buffer over CUDA IPC, or (CPU) as bytes."""
+        """(HF name, tensor) pairs into the engine: over CUDA IPC in chunks, or (CPU) as bytes."""
         if self.engine.device_type != "cuda":
             blob = io.BytesIO()
             torch.save(list(weights), blob)
             self.llm.collective_rpc(reload_from_bytes, args=(blob.getvalue(),))
             return
-        from torch.multiprocessing.reductions import reduce_tensor
-
         if not self.transfer_ready:
             self.llm.collective_rpc("init_weight_transfer_engine", args=({"packed": True},))
             self.transfer_ready = True
-        buffer, update = pack_weights(weights)
-        update["ipc_handles"] = {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
-        torch.cuda.current_stream().synchronize()  # the buffer is written before the engine reads it
-        self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", args=(update,))
-        self.llm.collective_rpc("finish_weight_update")  # the engine has copied out of the buffer and let it go
-        del buffer
-        torch.cuda.ipc_collect()
+        from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+        buffer_bytes = max(DEFAULT_PACKED_BUFFER_SIZE_BYTES, largest_parameter_bytes(self.engine.model, self.dtype))
+        send_in_chunks(self.llm, weights, str(torch.cuda.get_device_properties(self.engine.device).uuid), buffer_bytes)
+        torch.cuda.ipc_collect()  # the engine let the buffer go at finish_weight_update
 
 
 @contextlib.contextmanager
@@ -88,14 +83,30 @@ def engine_on_this_ranks_gpu(device: torch.device):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def pack_weights(weights) -> tuple[torch.Tensor, dict]:
-    """(name, tensor) pairs of one dtype (as exported) as one uint8 buffer, plus the layout vLLM's packed weight
-    update reads back (it views each slice in place, so mixed dtypes could misalign)."""
-    names, tensors = zip(*weights)
-    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    layout = {"names": list(names), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-              "shapes": [list(t.shape) for t in tensors], "tensor_sizes": [f.numel() for f in flat]}
-    return torch.cat(flat), layout
+def send_in_chunks(llm, weights, gpu_uuid: str, buffer_bytes: int) -> int:
+    """vLLM's packed IPC transfer: its producer copies the tensors into one buffer of `buffer_bytes`, shared once over
+    CUDA IPC, and yields a chunk whenever the next tensor would not fit; each update_weights call returns after the
+    engine copied its chunk out, so the producer may overwrite the buffer. Beside the weights the trainer holds one
+    buffer, not a copy of the model (nor does the engine); the number of chunks."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    llm.collective_rpc("start_weight_update")
+    chunks = packed_tensor.packed_ipc_producer(weights, gpu_uuid, post_iter_func=lambda item: item[1],
+                                               buffer_size_bytes=buffer_bytes)
+    sent = 0
+    for chunk in chunks:
+        update = {"names": chunk.names, "dtype_names": chunk.dtype_names, "shapes": chunk.shapes,
+                  "tensor_sizes": chunk.tensor_sizes, "ipc_handles": chunk.ipc_handle}
+        llm.collective_rpc("update_weights", args=(update,))
+        sent += 1
+    llm.collective_rpc("finish_weight_update")  # the engine releases its mapping of the buffer
+    return sent
+
+
+def largest_parameter_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the trainer's largest parameter in `dtype`: an HF tensor is a parameter or a piece of one (experts
+    stacked in one parameter are exported one by one), so every exported tensor fits in this many."""
+    return max(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
 def reload_from_bytes(worker, blob: bytes) -> None:

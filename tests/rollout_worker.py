@@ -17,6 +17,7 @@ from config import parse_cli, sampler_class, validate  # noqa: E402
 from engine import TorchTitanEngineWithLMHead  # noqa: E402
 from loop import Sample, compute_logprobs, share_within_model_parallel  # noqa: E402
 from rollout import build_rollout  # noqa: E402
+from vllm_process import largest_parameter_bytes  # noqa: E402
 
 # the last prompt fills a whole KV block (vLLM CPU: 128 tokens): with prefix caching on, a block cached before a
 # weight sync would be served after it unless the sync resets the cache
@@ -86,6 +87,9 @@ def main():
     result["synced"] = mismatch(engine, sampler, 2, checks)
     result["synced_first_only"] = mismatch(engine, sampler, 3, checks, logprob_samples=1)
     result["well_formed"] = max_over_ranks(float(not all(checks))) == 0.0  # every call on every rank
+    exported = max(t.numel() * t.element_size() for _, t in engine.export_hf_weights(dtype=sampler.dtype))
+    result["export_fits_transfer_buffer"] = max_over_ranks(
+        float(exported > largest_parameter_bytes(engine.model, sampler.dtype))) == 0.0
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()

@@ -71,25 +71,56 @@ def assert_rollout_worker_matches(model_dir, tmp_path, layout, nproc=2):
     assert got["stale"] > 1e-2  # a stale sampler is caught
     assert got["synced"] < 1e-4
     assert got["synced_first_only"] < 1e-4  # log-probs asked for the first response of each prompt only
+    assert got["export_fits_transfer_buffer"]  # vllm_process sizes its IPC buffer by the largest parameter
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_packed_weights_read_back_by_vllms_unpacker(dtype):
-    """vllm_process's one-buffer weight update: vLLM's own reader gives back every tensor, bit for bit."""
+def test_weights_go_to_vllm_in_chunks_through_one_reused_buffer(monkeypatch):
+    """vllm_process's GPU sync: vLLM's packed producer (here a CPU stand-in with its contract: one buffer, overwritten
+    by the next chunk as soon as the update call for this one returns) carries every tensor bit for bit, each chunk
+    inside start/finish_weight_update, in as many chunks as the buffer needs."""
     pytest.importorskip("vllm")
-    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+    from vllm.distributed.weight_transfer import packed_tensor
 
-    from vllm_process import pack_weights
+    from vllm_process import send_in_chunks
 
-    weights = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7)),
-               ("c.weight", torch.randn(2, 2, 2).transpose(0, 2))]  # not contiguous
-    weights = [(name, tensor.to(dtype)) for name, tensor in weights]
-    buffer, layout = pack_weights(weights)
-    got = unpack_tensor(buffer, layout["names"], layout["shapes"], [getattr(torch, d) for d in layout["dtype_names"]],
-                        layout["tensor_sizes"])
-    assert [name for name, _ in got] == [name for name, _ in weights]
-    for (_, want), (_, tensor) in zip(weights, got):
-        assert tensor.dtype == want.dtype and torch.equal(tensor, want)
+    def producer(weights, gpu_uuid, post_iter_func, buffer_size_bytes):
+        buffer = torch.empty(buffer_size_bytes, dtype=torch.uint8)
+        chunk, used = [], 0
+        for item in weights:
+            flat = post_iter_func(item).contiguous().view(-1).view(torch.uint8)
+            if used and used + flat.numel() > buffer_size_bytes:
+                yield packed_tensor.PackedIpcChunk(*zip(*chunk), ipc_handle={gpu_uuid: buffer})
+                chunk, used = [], 0
+            buffer[used:used + flat.numel()] = flat
+            chunk.append((item[0], list(item[1].shape), str(item[1].dtype).removeprefix("torch."), flat.numel()))
+            used += flat.numel()
+        if chunk:
+            yield packed_tensor.PackedIpcChunk(*zip(*chunk), ipc_handle={gpu_uuid: buffer})
+
+    class Engine:  # what vLLM's IPC receiver does with a chunk: unpack its part of the buffer and copy it out
+        calls, received = [], {}
+
+        def collective_rpc(self, method, args=()):
+            self.calls.append(method)
+            if method == "update_weights":
+                update = args[0]
+                content = update["ipc_handles"]["gpu0"][:sum(update["tensor_sizes"])]
+                views = packed_tensor.unpack_tensor(content, update["names"], update["shapes"],
+                                                    [getattr(torch, d) for d in update["dtype_names"]],
+                                                    update["tensor_sizes"])
+                self.received.update((name, view.clone()) for name, view in views)
+
+    monkeypatch.setattr(packed_tensor, "packed_ipc_producer", producer)
+    weights = [("a.weight", torch.randn(30, 50).bfloat16()), ("b.bias", torch.randn(70).bfloat16()),
+               ("c.weight", torch.randn(20, 20, 2).bfloat16().transpose(0, 2)),  # not contiguous
+               ("d.weight", torch.randn(40, 40).bfloat16())]
+    engine = Engine()
+    chunks = send_in_chunks(engine, iter(weights), "gpu0", buffer_bytes=40 * 40 * 2)
+    assert chunks == 3  # a + b, c, d: the largest tensor fills the buffer alone
+    assert engine.calls == ["start_weight_update"] + ["update_weights"] * 3 + ["finish_weight_update"]
+    assert list(engine.received) == [name for name, _ in weights]
+    for name, want in weights:
+        assert engine.received[name].dtype == want.dtype and torch.equal(engine.received[name], want)
 
 
 def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_dir, tmp_path):
