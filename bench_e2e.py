@@ -50,15 +50,16 @@ class ClockedSampler:
 
 class StepClock:
     """While entered (a step): CPU seconds of the trainer's thread, of this process's other threads (the generation
-    ahead, torch's intra-op pool), of vLLM's own processes; and the GPU's busy share (NVML's utilization: the share
-    of time a kernel ran, sampled every 0.1 s). Where the time goes when the two sides overlap."""
+    ahead, torch's intra-op pool), of vLLM's own processes; the GPU's busy share (NVML's utilization: the share of
+    time a kernel ran) and the most device memory in use (NVML's: every process on the GPU, vLLM's pools included),
+    both sampled every 0.1 s. Where the time and the memory go when the two sides share the GPU."""
 
     def __init__(self, device: str):
         self.device = device
 
     def __enter__(self):
         self.trainer_s, self.process_s, self.engine_s = -time.thread_time(), -time.process_time(), -engine_cpu_s()
-        self.busy, self._stop = [], threading.Event()
+        self.busy, self.used, self._stop = [], [], threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True)
         if self.device == "cuda":
             self._poller.start()
@@ -68,6 +69,7 @@ class StepClock:
         with contextlib.suppress(Exception):  # no NVML (pynvml): no busy share
             while not self._stop.wait(0.1):
                 self.busy.append(torch.cuda.utilization())
+                self.used.append(torch.cuda.device_memory_used())
 
     def __exit__(self, *_):
         self._stop.set()
@@ -80,7 +82,8 @@ class StepClock:
     def report(self) -> dict:
         return {"cpu_trainer_s": self.trainer_s, "cpu_threads_s": self.process_s - self.trainer_s,
                 "cpu_engine_s": self.engine_s,
-                "gpu_busy": sum(self.busy) / len(self.busy) / 100 if self.busy else float("nan")}
+                "gpu_busy": sum(self.busy) / len(self.busy) / 100 if self.busy else float("nan"),
+                "gpu_used_gb": max(self.used) / 1e9 if self.used else float("nan")}
 
 
 def engine_cpu_s() -> float:
@@ -281,14 +284,14 @@ HOST = ("cpu_trainer_s", "cpu_threads_s", "cpu_engine_s")
 
 def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
     print(f"\n{'step':<6}" + "".join(f"{p:>15}" for p in phases) + f"{'mfu':>8}{'mismatch':>10}{'mem GB':>8}"
-          + "".join(f"{h:>15}" for h in HOST) + f"{'gpu_busy':>10}")
+          + "".join(f"{h:>15}" for h in HOST) + f"{'gpu_busy':>10}{'device GB':>11}")
     for row in rows:
         print(f"{row['step']:<6}" + "".join(f"{row[f'timing_s/{p}']:>15.2f}" for p in phases)
               + f"{row.get('perf/mfu/actor', float('nan')):>8.1%}"
               f"{row.get('rollout_corr/abs_logprob_diff', float('nan')):>10.4f}"
               f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}"
               + "".join(f"{row.get(h, float('nan')):>15.2f}" for h in HOST)
-              + f"{row.get('gpu_busy', float('nan')):>10.0%}")
+              + f"{row.get('gpu_busy', float('nan')):>10.0%}{row.get('gpu_used_gb', float('nan')):>11.1f}")
 
 
 MPS_CONTROL = "nvidia-cuda-mps-control"

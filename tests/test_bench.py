@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from bench import HostClock
 from bench_e2e import StepClock
 from bench_trace import read_trace
@@ -50,6 +52,18 @@ def test_step_clock_tells_the_trainer_thread_from_other_threads_and_child_proces
     assert 0.4 <= report["cpu_threads_s"] < 0.55, report
     assert 0.5 <= report["cpu_engine_s"] < 0.8, report  # the child's start-up too (before the clock: not counted)
     assert math.isnan(report["gpu_busy"])  # no GPU: not sampled
+    assert math.isnan(report["gpu_used_gb"])
+
+
+def test_step_clock_samples_the_gpus_busy_share_and_the_most_memory_in_use(monkeypatch):
+    """On a GPU: the mean of NVML's utilization samples and the largest device-wide memory sample."""
+    used = iter([10e9, 30e9, 20e9] + [5e9] * 1000)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda: 50)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda: next(used))
+    with StepClock("cuda") as clock:
+        time.sleep(0.5)  # ~5 samples
+    report = clock.report()
+    assert report["gpu_busy"] == 0.5 and report["gpu_used_gb"] == 30.0, report
 
 
 def test_read_trace_sums_kernel_time_by_kind_and_the_idle_gaps(tmp_path, capsys):
