@@ -1,7 +1,7 @@
 """vLLM with its engine core in processes of its own (`--rollout.name vllm_process`): the scheduler and the GPU worker
 run there, so the trainer's Python thread is free while vLLM generates, and the weights travel over CUDA IPC through
-vLLM's weight-transfer API (packed chunks through one reused buffer). The one-step off-policy mode needs that freed thread to update
-beside the generation (benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
+vLLM's weight-transfer API (packed chunks through one reused buffer). The one-step off-policy mode needs that freed
+thread to update beside the generation (benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
 
 import contextlib
 import io
