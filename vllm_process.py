@@ -24,7 +24,7 @@ class OwnProcessVLLM(VLLMRollout):
 
     def __init__(self, cfg, engine, eos_token_ids=None):
         self.transfer_ready = False  # vLLM's IPC receiver is set up at the first load (the base class syncs once)
-        with engine_on_this_ranks_gpu(engine.device):
+        with engine_process_environment(engine.device):
             super().__init__(cfg, engine, eos_token_ids)
         self.copies_in_place = False  # every sync goes through load() (IPC or bytes), never an in-process copy
 
@@ -65,22 +65,29 @@ class OwnProcessVLLM(VLLMRollout):
 
 
 @contextlib.contextmanager
-def engine_on_this_ranks_gpu(device: torch.device):
+def engine_process_environment(device: torch.device):
     """While vLLM starts its processes: they see only this rank's GPU (vLLM's single worker takes the first visible
-    one). This process's CUDA context is already made, so the variable no longer changes its own devices."""
+    one); under CUDA MPS, a trainer started at below-normal priority (CUDA_MPS_CLIENT_PRIORITY=1) starts them at
+    normal, so that generation, the off-policy step's longer side, goes first. This process's CUDA context is
+    already made: the variables no longer change it."""
     if device.type != "cuda":
         yield
         return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    changes = {"CUDA_VISIBLE_DEVICES": visible[device.index]}
+    if os.environ.get("CUDA_MPS_CLIENT_PRIORITY") == "1":
+        changes["CUDA_MPS_CLIENT_PRIORITY"] = "0"
+    before = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def send_in_chunks(llm, weights, gpu_uuid: str, buffer_bytes: int) -> int:

@@ -123,6 +123,30 @@ def test_weights_go_to_vllm_in_chunks_through_one_reused_buffer(monkeypatch):
         assert engine.received[name].dtype == want.dtype and torch.equal(engine.received[name], want)
 
 
+@pytest.mark.parametrize("priority", [None, "0", "1"])
+def test_vllm_processes_start_on_this_ranks_gpu_at_normal_mps_priority(monkeypatch, priority):
+    """vllm_process starts vLLM's processes seeing this rank's GPU alone; a trainer at below-normal MPS priority
+    (1) starts them at normal (0), any other setting passes through; both variables are restored afterwards."""
+    from vllm_process import engine_process_environment
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    if priority is None:
+        monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", priority)
+    with engine_process_environment(torch.device("cuda", 1)):
+        seen = os.environ["CUDA_VISIBLE_DEVICES"], os.environ.get("CUDA_MPS_CLIENT_PRIORITY")
+    assert seen == ("5", {"1": "0"}.get(priority, priority))
+    assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ.get("CUDA_MPS_CLIENT_PRIORITY")) == ("3,5", priority)
+    with engine_process_environment(torch.device("cpu")):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"  # a CPU run changes nothing
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # unset: every GPU is visible; it is unset again afterwards
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with engine_process_environment(torch.device("cuda", 1)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
 def test_native_sampler_greedy_matches_hf_and_its_logprobs_match_engine(model_dir, tmp_path):
     got = run_sampler_worker("native", model_dir, tmp_path)
     assert got["greedy"] == got["hf_greedy"]
