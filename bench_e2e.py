@@ -5,7 +5,7 @@ sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): ev
     python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
         [--also "NAME:--rollout.name vllm_process OMP_NUM_THREADS=1"]  # one more run: its flags, environment
-        [--mps]  # the off-policy runs as clients of a CUDA MPS server of their own (kernels of both sides at once)
+        [--mps]  # the off-policy runs (and --also runs named *_mps) as clients of a CUDA MPS server of their own
     python bench_e2e.py --steps 2 ... -- <flags> --model.lora_rank 32       # + vLLM's LoRA path vs the merged sync
 
 For each generate it also reports the seconds of Python's cycle collector and the process's CPU seconds
@@ -330,15 +330,16 @@ def mps_clients(env: dict) -> int:
 def compare_off_policy(args, loop_flags: list[str]) -> dict:
     """The steps synchronous, with trainer.one_step_off_policy, and with each --also variant (same prompts and seeds),
     each in a fresh process of this script; the mean step after the first (which compiles, and which the off-policy
-    mode generates synchronously) of each, and its ratio to the synchronous one. With --mps every run but the
-    synchronous baseline is a client of a private MPS server."""
+    mode generates synchronously) of each, and its ratio to the synchronous one. With --mps the off-policy mode and
+    every --also run named *_mps are clients of a private MPS server; the other --also runs time-slice the GPU."""
     modes = {"synchronous": [], "one_step_off_policy": ["--trainer.one_step_off_policy", "True", "--rollout.name",
                                                         "vllm_process"]}
     modes.update((name, spec.split()) for name, spec in (variant.split(":", 1) for variant in args.also))
     report = {}
     with private_mps(args.mps) as mps_env:
         for mode, words in modes.items():
-            report[mode] = run_mode(args, loop_flags, mode, words, {} if mode == "synchronous" else mps_env)
+            client = mode == "one_step_off_policy" or mode.endswith("_mps")
+            report[mode] = run_mode(args, loop_flags, mode, words, mps_env if client else {})
         report["mps_clients"] = mps_clients(mps_env)
     sync_s = report["synchronous"]["mean_step_s"]
     for mode in modes:
@@ -409,7 +410,8 @@ def main() -> None:
     parser.add_argument("--also", action="append", default=[], metavar="NAME:ARGS",
                         help="with --one-step-off-policy, one more run: loop flags and KEY=VALUE environment in ARGS")
     parser.add_argument("--mps", action="store_true",
-                        help="with --one-step-off-policy, the runs but the synchronous one under a private CUDA MPS server")
+                        help="with --one-step-off-policy, that mode and --also runs named *_mps under a private CUDA "
+                             "MPS server")
     parser.add_argument("--steps-only", action="store_true", help="no vLLM reference rounds, no sync parts")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)

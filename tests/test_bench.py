@@ -95,8 +95,9 @@ def test_mps_is_refused_in_one_line_without_the_off_policy_comparison():
         "--mps: needs --one-step-off-policy and nvidia-cuda-mps-control on PATH (CUDA's MPS, a GPU host)"]
 
 
-def test_mps_serves_every_run_but_the_synchronous_baseline_and_quits(tmp_path, monkeypatch):
-    """A stand-in control daemon records how it was called; the runs see its pipe directory in their environment."""
+def test_mps_serves_the_off_policy_mode_and_runs_named_mps_and_quits(tmp_path, monkeypatch):
+    """A stand-in control daemon records how it was called; the off-policy mode and an --also run named *_mps are its
+    clients (its pipe directory in their environment), the synchronous baseline and other --also runs are not."""
     import argparse
 
     import bench_e2e
@@ -118,9 +119,10 @@ def test_mps_serves_every_run_but_the_synchronous_baseline_and_quits(tmp_path, m
 
     monkeypatch.setattr(bench_e2e, "run_mode", run_mode)
     monkeypatch.setattr(bench_e2e, "print_steps", lambda rows, phases: None)
-    args = argparse.Namespace(mps=True, also=["synchronous_mps:"], steps=2)
+    args = argparse.Namespace(mps=True, also=["synchronous_mps:", "time_sliced:--rollout.name vllm_process"], steps=2)
     report = bench_e2e.compare_off_policy(args, [])
-    assert seen["synchronous"] == {}
+    assert list(seen) == ["synchronous", "one_step_off_policy", "synchronous_mps", "time_sliced"]
+    assert seen["synchronous"] == seen["time_sliced"] == {}
     pipe = seen["one_step_off_policy"]["CUDA_MPS_PIPE_DIRECTORY"]
     assert seen["synchronous_mps"] == seen["one_step_off_policy"] and pipe
     assert calls.read_text().splitlines() == [f"start pipe={pipe}", f"quit pipe={pipe}"]  # started, then quit
