@@ -10,6 +10,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path[:0] = [ROOT, TESTS]
 
+# Largest |vLLM log-prob - trainer log-prob| of a synced sampler (float32, CPU). Mostly ~1e-6 apart; now and then a
+# process (1 of 53 launches on 2 loaded cores; 2 of 3 full suites hit one) takes a second numeric path that puts them
+# up to 1.2e-4 apart from its first generate on, before any update, so it is no sync defect (the same test sees a
+# stale sampler 3-5 off). Thread count, split-KV attention, thread binding and KV cache size do not select that path;
+# its cause is unknown.
+SAMPLER_MATCH = 1e-3
+
 
 def free_port() -> int:
     """A TCP port that nothing listens on now (the OS picks it), for one torchrun rendezvous."""
