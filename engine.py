@@ -178,7 +178,7 @@ class TorchTitanEngine:
         if self.device_type == "cpu":
             cpu.use_sum_reduction(self.model)
         self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        if not self.parallel_dims.fsdp_enabled and not cfg.model.lora_rank:  # a one-rank FSDP shard group
+        if not self.parallel_dims.fsdp_enabled and (not cfg.model.lora_rank or dist.get_world_size() == 1):
             self._gather_once_per_block()
         if cfg.model.lora_rank:
             lora.init_adapters(self.model, cfg.trainer.seed)
@@ -187,8 +187,8 @@ class TorchTitanEngine:
     def _gather_once_per_block(self) -> None:
         """FSDP on a one-rank shard group (one GPU, TP only): the masters are whole, so resharding saves no
         memory. Keep the gathered (bf16) params from the first forward of a block of micro-batches until `_reshard`
-        ends it (optimizer step, mode exit), instead of gathering (a copy) per layer, micro-batch and pass. Not with
-        LoRA: the frozen base, stored in bf16, would be held twice. The masters' grads show again after a block."""
+        ends it (optimizer step, mode exit), instead of gathering (a copy) per layer, micro-batch and pass. With LoRA
+        on one GPU only the adapters are FSDP's (lora.py); with TP it would hold the base twice, so not there."""
         for module in self.fsdp_modules:
             module.set_reshard_after_forward(False, recurse=False)
             module.set_reshard_after_backward(False, recurse=False)

@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,9 +92,11 @@ def main():
 
 
 def storage(engine) -> dict:
-    """How the model is held: (dtype, requires_grad) of each parameter by name, and the bytes of the parameters and
-    of the optimizer state by dtype (this rank's shards)."""
+    """How the model is held: (dtype, requires_grad) of each parameter by name, those FSDP shards, and the bytes of
+    the parameters and of the optimizer state by dtype (this rank's shards)."""
     params = {canonical_fqn(n): (str(p.dtype), p.requires_grad) for n, p in engine.model.named_parameters()}
+    fsdp_sharded = sorted(canonical_fqn(n) for n, p in engine.model.named_parameters()  # the dim FSDP shards on
+                          if isinstance(p, DTensor) and {"fsdp", "dp_shard"} & set(p.device_mesh.mesh_dim_names))
     param_bytes, state_bytes = {}, {}
     for p in engine.model.parameters():
         shard = local(p)
@@ -104,7 +107,7 @@ def storage(engine) -> dict:
             if shard.dim():  # the step counters are scalars
                 size = shard.numel() * shard.element_size()
                 state_bytes[str(shard.dtype)] = state_bytes.get(str(shard.dtype), 0) + size
-    return {"params": params, "param_bytes": param_bytes, "state_bytes": state_bytes}
+    return {"params": params, "fsdp_sharded": fsdp_sharded, "param_bytes": param_bytes, "state_bytes": state_bytes}
 
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)

@@ -314,8 +314,9 @@ def test_lora_checkpoint_resume_and_exports(dense_dir, tmp_path):
 def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense_dir, tmp_path):
     """model.dtype=bfloat16 with LoRA: every base parameter is bfloat16 and frozen (2 bytes a parameter, no float32
     master), the adapters alone are float32 and trainable, and the optimizer state is AdamW's two float32 moments of
-    the adapters and nothing else. During the update the base is held once: no gathered copy beside it (FSDP's gather
-    on a one-rank shard group is a copy), and its backward computes no weight gradient of the base."""
+    the adapters and nothing else. During the update the base is held once: no gathered copy beside it, and its
+    backward computes no weight gradient of the base. On one GPU FSDP (whose gather is a copy there, per parameter,
+    layer, micro-batch and pass) shards the adapters alone; with two ranks, everything."""
     nproc, flags = (1, []) if layout == "one_process" else LAYOUTS[layout]
     run = torchrun(nproc, tmp_path / f"{layout}.pt", dense_dir, *flags, *LORA, "--model.dtype", "bfloat16",
                    backend=backend)
@@ -325,6 +326,7 @@ def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense
     for name, (dtype, trainable) in got["params"].items():
         assert (dtype, trainable) == (("torch.float32", True) if name in adapters else ("torch.bfloat16", False)), name
     assert set(got["param_bytes"]) == {"torch.bfloat16", "torch.float32"}
+    assert got["fsdp_sharded"] == sorted(adapters if layout == "one_process" else got["params"])
     assert got["state_bytes"] == {"torch.float32": 2 * got["param_bytes"]["torch.float32"]}
     assert run["frozen_held_bytes"] == run["frozen_stored_bytes"] >= got["param_bytes"]["torch.bfloat16"]
     matmuls, shapes = set(run["backward_matmul_shapes"]), run["shapes"]  # a parameter's: whole and this rank's
