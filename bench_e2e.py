@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 
 import torch
 
@@ -50,15 +51,16 @@ class ClockedSampler:
 
 class StepClock:
     """While entered (a step): CPU seconds of the trainer's thread, of this process's other threads (the generation
-    ahead, torch's intra-op pool), of vLLM's own processes; the GPU's busy share (NVML's utilization: the share of
-    time a kernel ran) and the most device memory in use (NVML's: every process on the GPU, vLLM's pools included),
-    both sampled every 0.1 s. Where the time and the memory go when the two sides share the GPU."""
+    ahead, torch's intra-op pool; also by thread), of vLLM's own processes; the GPU's busy share (NVML's utilization:
+    the share of time a kernel ran) and the most device memory in use (NVML's: every process on the GPU, vLLM's
+    pools included), both sampled every 0.1 s. Where the time and the memory go when the two sides share the GPU."""
 
     def __init__(self, device: str):
         self.device = device
 
     def __enter__(self):
         self.trainer_s, self.process_s, self.engine_s = -time.thread_time(), -time.process_time(), -engine_cpu_s()
+        self.threads_before = thread_cpu_s()
         self.busy, self.used, self._stop = [], [], threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True)
         if self.device == "cuda":
@@ -78,12 +80,29 @@ class StepClock:
         self.trainer_s += time.thread_time()
         self.process_s += time.process_time()
         self.engine_s += engine_cpu_s()
+        after = thread_cpu_s()
+        self.by_thread = {name: round(s - self.threads_before.get(name, 0.0), 2) for name, s in after.most_common()}
 
     def report(self) -> dict:
         return {"cpu_trainer_s": self.trainer_s, "cpu_threads_s": self.process_s - self.trainer_s,
-                "cpu_engine_s": self.engine_s,
+                "cpu_engine_s": self.engine_s, "cpu_by_thread": self.by_thread,
                 "gpu_busy": sum(self.busy) / len(self.busy) / 100 if self.busy else float("nan"),
                 "gpu_used_gb": max(self.used) / 1e9 if self.used else float("nan")}
+
+
+def thread_cpu_s() -> Counter:
+    """CPU seconds of this process's live threads so far, summed by name: Python's name for a Python thread (the
+    generation ahead runs on `rollout_0`), the OS's otherwise (`pt_autograd_0`: the backward; OpenMP's pool and
+    others share the process's name). Where a step's host time goes, and which threads take turns on the GIL."""
+    names, ticks, total = {t.native_id: t.name for t in threading.enumerate()}, os.sysconf("SC_CLK_TCK"), Counter()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on: utime, stime are 14 and 15
+            total[names.get(int(tid), stat[stat.index("(") + 1:stat.rindex(")")])] += (
+                int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def engine_cpu_s() -> float:
@@ -292,6 +311,9 @@ def print_steps(rows: list[dict], phases: tuple[str, ...]) -> None:
               f"{row.get('perf/max_memory_allocated_gb', float('nan')):>8.1f}"
               + "".join(f"{row.get(h, float('nan')):>15.2f}" for h in HOST)
               + f"{row.get('gpu_busy', float('nan')):>10.0%}{row.get('gpu_used_gb', float('nan')):>11.1f}")
+    for row in rows:
+        busiest = list(row.get("cpu_by_thread", {}).items())[:6]
+        print(f"step {row['step']} CPU s by thread: " + ", ".join(f"{name} {s:.1f}" for name, s in busiest))
 
 
 MPS_CONTROL = "nvidia-cuda-mps-control"

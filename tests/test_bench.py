@@ -35,21 +35,27 @@ def spin(cpu_seconds: float) -> None:
 
 
 def test_step_clock_tells_the_trainer_thread_from_other_threads_and_child_processes():
-    """CPU seconds land where they were spent: this thread, another thread of the process, a child process."""
+    """CPU seconds land where they were spent: this thread, another thread of the process (also by its name), a
+    child process."""
     child = subprocess.Popen([sys.executable, "-c", "import time\nuntil = time.process_time() + 0.6\n"
                               "while time.process_time() < until: pass\ntime.sleep(5)"])
+    done, spun = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: (spin(0.4), spun.set(), done.wait()), name="rollout_0")
     try:
         with StepClock("cpu") as clock:
-            other = threading.Thread(target=spin, args=(0.4,))
             other.start()
             spin(0.2)
-            other.join()
+            spun.wait()
             time.sleep(1.5)  # the child's 0.6 s (on another core, or after these)
     finally:
         child.kill()
+        done.set()
     report = clock.report()
     assert 0.2 <= report["cpu_trainer_s"] < 0.35, report
     assert 0.4 <= report["cpu_threads_s"] < 0.55, report
+    by_thread = report["cpu_by_thread"]  # /proc's clock ticks (10 ms): a tick's slack each side
+    assert 0.38 <= by_thread["rollout_0"] < 0.57, report  # a thread alive at the clock's end
+    assert 0.18 <= by_thread[threading.current_thread().name] < 0.37, report
     assert 0.5 <= report["cpu_engine_s"] < 0.8, report  # the child's start-up too (before the clock: not counted)
     assert math.isnan(report["gpu_busy"])  # no GPU: not sampled
     assert math.isnan(report["gpu_used_gb"])
