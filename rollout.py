@@ -81,7 +81,7 @@ class VLLMRollout:
             enable_sleep_mode=on_gpu and r.free_cache_engine, seed=r.seed + dist.get_rank() // r.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
         )
-        self.llm = LLM(**{**options, **self.engine_options(on_gpu)})
+        self.llm = self.build_llm(LLM, options, on_gpu)
         self.sleeping = False
         # a dense model on a GPU computes with its weights as loaded: copying into them is all a sync needs
         self.copies_in_place = on_gpu and not self.llm.llm_engine.vllm_config.model_config.is_moe
@@ -113,9 +113,9 @@ class VLLMRollout:
                 rollout.finish_reasons.append("length" if sample.finish_reason == "length" else "stop")
         return rollout
 
-    def engine_options(self, on_gpu: bool) -> dict:
-        """Keywords for vLLM's LLM that replace or add to the in-process engine's (none here)."""
-        return {}
+    def build_llm(self, llm_class, options: dict, on_gpu: bool):
+        """vLLM's LLM (llm_class) with these keywords, in this process."""
+        return llm_class(**options)
 
     @contextlib.contextmanager
     def seeded(self, seed: int):

@@ -1,12 +1,16 @@
-"""vLLM with its engine core in processes of its own (`--rollout.name vllm_process`): the scheduler and the GPU worker
-run there, so the trainer's Python thread is free while vLLM generates, and the weights travel over CUDA IPC through
-vLLM's weight-transfer API (packed chunks through one reused buffer). The one-step off-policy mode needs that freed
-thread to update beside the generation (benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
+"""vLLM in processes of its own (`--rollout.name vllm_process`): its LLM, client included, in a child process of the
+trainer rank and its engine core (scheduler, GPU worker) in another, so that none of the generation's host work
+holds the trainer's interpreter lock; the weights travel over CUDA IPC through vLLM's weight-transfer API (packed
+chunks through one reused buffer). The one-step off-policy mode needs that to update beside the generation
+(benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
 
 import contextlib
 import io
+import multiprocessing
 import os
 import random
+import traceback
+from types import SimpleNamespace
 
 import torch
 
@@ -14,7 +18,7 @@ from rollout import VLLMRollout, forget_moe_kernels
 
 
 class OwnProcessVLLM(VLLMRollout):
-    """VLLMRollout whose engine core is a child process of the trainer rank (one engine per rank, on the rank's GPU;
+    """VLLMRollout whose vLLM runs in child processes of the trainer rank (one engine per rank, on the rank's GPU;
     TP peers train on their first peer's groups); nothing it does touches the trainer's RNG."""
 
     # IPC handles and the CPU reload function reach the engine's process by pickle
@@ -24,16 +28,16 @@ class OwnProcessVLLM(VLLMRollout):
 
     def __init__(self, cfg, engine, eos_token_ids=None):
         self.transfer_ready = False  # vLLM's IPC receiver is set up at the first load (the base class syncs once)
-        with engine_process_environment(engine.device):
-            super().__init__(cfg, engine, eos_token_ids)
+        super().__init__(cfg, engine, eos_token_ids)
         self.copies_in_place = False  # every sync goes through load() (IPC or bytes), never an in-process copy
 
-    def engine_options(self, on_gpu: bool) -> dict:
-        """vLLM's own process group of one, not torchrun's; the IPC weight-transfer backend on a GPU. On CPU (which
-        sends the tensors themselves) no chunked prefill: vLLM CPU cannot rewind a seeded request's generator after
-        a partial prefill ("CPU Generator does not use offset")."""
+    def build_llm(self, llm_class, options: dict, on_gpu: bool):
+        """vLLM's LLM in a child process (`LLMInAProcess`), with vLLM's own process group of one, not torchrun's; the
+        IPC weight-transfer backend on a GPU. On CPU (which sends the tensors themselves) no chunked prefill: vLLM CPU
+        cannot rewind a seeded request's generator after a partial prefill ("CPU Generator does not use offset")."""
         device_options = {"weight_transfer_config": {"backend": "ipc"}} if on_gpu else {"enable_chunked_prefill": False}
-        return {"distributed_executor_backend": "mp", **device_options}
+        with engine_process_environment(self.engine.device):
+            return LLMInAProcess({**options, "distributed_executor_backend": "mp", **device_options})
 
     @contextlib.contextmanager
     def seeded(self, seed: int):
@@ -88,6 +92,78 @@ def engine_process_environment(device: torch.device):
                 del os.environ[name]
             else:
                 os.environ[name] = value
+
+
+class LLMInAProcess:
+    """vLLM's LLM in a child process, called over a pipe: `llm.generate(...)`, `llm.collective_rpc(...)` and the other
+    methods run there and return their result (an error there raises here). The client's host work (sending the
+    requests, turning each step's output into Python objects) holds that process's interpreter lock, where a thread of
+    the trainer's would take turns with the update's kernel launches. `llm_engine` holds what VLLMRollout reads of
+    vLLM's engine."""
+
+    def __init__(self, options: dict):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA context, no torchrun threads
+        self._pipe, child_end = context.Pipe()
+        self._process = context.Process(target=serve, args=(child_end, options), name="vllm")
+        self._process.start()
+        child_end.close()
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=self._answer()),
+                                          engine_core=SimpleNamespace(shutdown=self.shutdown))
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(*args, **kwargs):
+            self._pipe.send((method, args, kwargs))
+            return self._answer()
+
+        return call
+
+    def _answer(self):
+        failed, value = self._pipe.recv()
+        if failed:
+            raise RuntimeError(f"vLLM's process: {value}")
+        return value
+
+    def shutdown(self) -> None:
+        """vLLM's engine shut down and its process ended."""
+        if self._process.is_alive():
+            self._pipe.send(("shutdown", (), {}))
+            self._answer()
+            self._process.join()
+
+
+def serve(pipe, options: dict) -> None:
+    """vLLM's process: build the LLM, answer with what LLMInAProcess.llm_engine needs, then run each call the pipe
+    brings (generate's results without their prompts, which the caller has) until shutdown or the trainer is gone."""
+    from vllm import LLM
+
+    try:
+        llm = LLM(**options)
+        config = llm.llm_engine.vllm_config.model_config
+        pipe.send((False, SimpleNamespace(is_moe=config.is_moe, enable_sleep_mode=config.enable_sleep_mode)))
+    except Exception:
+        pipe.send((True, traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args, kwargs = pipe.recv()
+        except EOFError:  # the trainer's process ended
+            method, args, kwargs = "shutdown", (), {}
+        if method == "shutdown":
+            llm.llm_engine.engine_core.shutdown()
+            with contextlib.suppress(OSError):
+                pipe.send((False, None))
+            return
+        try:
+            result = getattr(llm, method)(*args, **kwargs)
+            if method == "generate":
+                for output in result:
+                    output.prompt, output.prompt_token_ids = None, None
+            pipe.send((False, result))
+        except Exception:
+            pipe.send((True, f"{method}: {traceback.format_exc()}"))
 
 
 def send_in_chunks(llm, weights, gpu_uuid: str, buffer_bytes: int) -> int:

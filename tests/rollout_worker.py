@@ -7,6 +7,7 @@ differences over all ranks (rank 0).
 
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,8 @@ def main():
     sampler = build_rollout(cfg, engine, [EOS])
     checks = []
     result = {"init": mismatch(engine, sampler, 1, checks)}
+    result["client_threads_here"] = sorted(t.name for t in threading.enumerate()  # vLLM's multiprocess client's
+                                           if t.name.startswith(("EngineCore", "MPClient")))
     # the loop's request (log-probs for the first response per prompt): two vLLM requests per prompt
     draws = [sampler.generate(PROMPTS, 3, seed=seed, logprob_samples=1).response_ids for seed in (1, 1, 3)]
     result["seeded"] = max_over_ranks(float(draws[0] != draws[1] or draws[0] == draws[2])) == 0.0

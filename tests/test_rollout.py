@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
 def test_vllm_logprobs_match_engine_and_weight_sync(model_dir, tmp_path, flags):
     """One process: n responses per prompt, consecutive, ending at EOS or the length limit; log-probs as the engine's
     (with prefix caching, also after a sync on a prompt whose KV block vLLM cached before it; with LoRA, vLLM takes
-    the merged weights; with vLLM's engine core in its own process, the weights sent to it at each sync)."""
+    the merged weights; with vLLM in processes of its own, the weights sent to it at each sync)."""
     assert_rollout_worker_matches(model_dir, tmp_path, flags, nproc=1)
 
 
@@ -72,6 +72,7 @@ def assert_rollout_worker_matches(model_dir, tmp_path, layout, nproc=2):
     assert got["synced"] < SAMPLER_MATCH
     assert got["synced_first_only"] < SAMPLER_MATCH  # log-probs asked for the first response of each prompt only
     assert got["export_fits_transfer_buffer"]  # vllm_process sizes its IPC buffer by the largest parameter
+    assert got["client_threads_here"] == []  # vllm_process: the client's threads run in vLLM's process, not here
 
 
 def test_weights_go_to_vllm_in_chunks_through_one_reused_buffer(monkeypatch):
