@@ -4,6 +4,7 @@ holds the trainer's interpreter lock; the weights travel over CUDA IPC through v
 chunks through one reused buffer). The one-step off-policy mode needs that to update beside the generation
 (benchmarks/h100_qwen3-0.6b.md); everything else is `rollout.VLLMRollout`."""
 
+import atexit
 import contextlib
 import io
 import multiprocessing
@@ -107,7 +108,13 @@ class LLMInAProcess:
         self._process = context.Process(target=serve, args=(child_end, options), name="vllm")
         self._process.start()
         child_end.close()
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=self._answer()),
+        atexit.register(self.shutdown)  # before multiprocessing's own exit handler waits for the process to end
+        try:
+            model_config = self._answer()
+        except RuntimeError:  # vLLM did not start: its process ends
+            self._process.join()
+            raise
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config),
                                           engine_core=SimpleNamespace(shutdown=self.shutdown))
 
     def __getattr__(self, method: str):
@@ -115,13 +122,18 @@ class LLMInAProcess:
             raise AttributeError(method)
 
         def call(*args, **kwargs):
-            self._pipe.send((method, args, kwargs))
+            with contextlib.suppress(BrokenPipeError):  # vLLM's process is gone: _answer says how it ended
+                self._pipe.send((method, args, kwargs))
             return self._answer()
 
         return call
 
     def _answer(self):
-        failed, value = self._pipe.recv()
+        try:
+            failed, value = self._pipe.recv()
+        except (EOFError, ConnectionResetError):
+            self._process.join()
+            raise RuntimeError(f"vLLM's process ended (exit code {self._process.exitcode})") from None
         if failed:
             raise RuntimeError(f"vLLM's process: {value}")
         return value
@@ -129,8 +141,9 @@ class LLMInAProcess:
     def shutdown(self) -> None:
         """vLLM's engine shut down and its process ended."""
         if self._process.is_alive():
-            self._pipe.send(("shutdown", (), {}))
-            self._answer()
+            with contextlib.suppress(OSError, EOFError):  # a process that is ending already
+                self._pipe.send(("shutdown", (), {}))
+                self._pipe.recv()
             self._process.join()
 
 

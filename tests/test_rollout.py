@@ -1,8 +1,10 @@
 """rollout.py: vLLM log-probs equal the engine's before and after a weight sync; native sampler
 greedy equals HF generate; grouping, truncation and finish reasons."""
 
+import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -122,6 +124,26 @@ def test_weights_go_to_vllm_in_chunks_through_one_reused_buffer(monkeypatch):
     assert list(engine.received) == [name for name, _ in weights]
     for name, want in weights:
         assert engine.received[name].dtype == want.dtype and torch.equal(engine.received[name], want)
+
+
+def test_vllm_in_its_own_process_raises_its_errors_here(model_dir, tmp_path):
+    """vllm_process: an error in vLLM's process (here: no model where one is named) raises in the trainer's, with
+    vLLM's message, and that process ends; a call to a vLLM whose process died says so instead of waiting."""
+    pytest.importorskip("vllm")
+    from vllm_process import LLMInAProcess
+
+    with pytest.raises(RuntimeError, match=r"(?s)vLLM's process: .*missing"):
+        LLMInAProcess({"model": str(tmp_path / "missing")})
+    deadline = time.monotonic() + 60
+    while any(p.name == "vllm" for p in multiprocessing.active_children()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.name == "vllm" for p in multiprocessing.active_children())
+    llm = LLMInAProcess(dict(model=model_dir, dtype=torch.float32, load_format="dummy", enforce_eager=True,
+                             max_model_len=64, gpu_memory_utilization=0.1))
+    llm.reset_prefix_cache()
+    llm._process.kill()
+    with pytest.raises(RuntimeError, match=r"vLLM's process ended \(exit code -9\)"):
+        llm.reset_prefix_cache()
 
 
 @pytest.mark.parametrize("priority", [None, "0", "1"])
