@@ -130,7 +130,7 @@ def test_vllm_in_its_own_process_raises_its_errors_here(model_dir, tmp_path):
     """vllm_process: an error in vLLM's process (here: no model where one is named) raises in the trainer's, with
     vLLM's message, and that process ends; a call to a vLLM whose process died says so instead of waiting."""
     pytest.importorskip("vllm")
-    from vllm_process import LLMInAProcess
+    from llm_process import LLMInAProcess
 
     with pytest.raises(RuntimeError, match=r"(?s)vLLM's process: .*missing"):
         LLMInAProcess({"model": str(tmp_path / "missing")})
