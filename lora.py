@@ -61,7 +61,7 @@ def frozen_base(parallelize_fn, dtype: torch.dtype):
 def fsdp_ignoring(model: torch.nn.Module, names: set[str]):
     """torchtitan's fully_shard calls leave the parameters named `names` out of FSDP. With one rank FSDP's gather is a
     copy per parameter, layer, micro-batch and pass (forward and backward): host work that left the GPU idle half a
-    0.6B LoRA update; outside FSDP the bf16 base is used as stored, never copied."""
+    profiled 0.6B LoRA update (benchmarks/h100_2026-12-07.md); outside FSDP the bf16 base is used as stored."""
     shard = titan_fsdp.fully_shard
 
     def fully_shard(module, **kwargs):
