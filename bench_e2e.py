@@ -99,9 +99,9 @@ def thread_cpu_s() -> Counter:
         with contextlib.suppress(OSError):
             with open(f"/proc/self/task/{tid}/stat") as f:
                 stat = f.read()
-            fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on: utime, stime are 14 and 15
-            total[names.get(int(tid), stat[stat.index("(") + 1:stat.rindex(")")])] += (
-                int(fields[11]) + int(fields[12])) / ticks
+            end = stat.rindex(")")  # the OS's name is between the parentheses; utime, stime are fields 14 and 15
+            fields = stat[end + 2:].split()  # from field 3 (state) on
+            total[names.get(int(tid), stat[stat.index("(") + 1:end])] += (int(fields[11]) + int(fields[12])) / ticks
     return total
 
 

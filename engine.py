@@ -178,7 +178,7 @@ class TorchTitanEngine:
         if self.device_type == "cpu":
             cpu.use_sum_reduction(self.model)
         self.fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
-        if not self.parallel_dims.fsdp_enabled and (not cfg.model.lora_rank or dist.get_world_size() == 1):
+        if not self.parallel_dims.fsdp_enabled and (not cfg.model.lora_rank or self.parallel_dims.world_size == 1):
             self._gather_once_per_block()
         if cfg.model.lora_rank:
             lora.init_adapters(self.model, cfg.trainer.seed)

@@ -221,8 +221,8 @@ def test_one_step_off_policy_trains_on_samples_of_the_weights_one_update_older(t
     step trains on carry rollout log-probs equal to the engine's under the weights one update older than the step's
     start (< SAMPLER_MATCH) and unlike the start weights' (> 1e-2); the first step draws its own (staleness 0);
     every step's prompt slot is generated once (the last step starts no generation), and nothing is left in flight;
-    the trainer thread's RNG states are the same after each step as before it (vLLM's engine core, in its own
-    process, draws the generation beside the update)."""
+    the trainer thread's RNG states are the same after each step as before it (vLLM, in processes of its own,
+    draws the generation beside the update)."""
     pytest.importorskip("vllm")
     model_dir = make_tiny_qwen3(str(tmp_path_factory.mktemp("off_policy")), layers=2, hidden=128, heads=2, kv_heads=2)
     nproc = 2 if "2" in layout else 1
