@@ -4,7 +4,6 @@ greedy equals HF generate; grouping, truncation and finish reasons."""
 import multiprocessing
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -134,10 +133,7 @@ def test_vllm_in_its_own_process_raises_its_errors_here(model_dir, tmp_path):
 
     with pytest.raises(RuntimeError, match=r"(?s)vLLM's process: .*missing"):
         LLMInAProcess({"model": str(tmp_path / "missing")})
-    deadline = time.monotonic() + 60
-    while any(p.name == "vllm" for p in multiprocessing.active_children()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(p.name == "vllm" for p in multiprocessing.active_children())
+    assert not any(p.name == "vllm" for p in multiprocessing.active_children())  # ended before the error was raised
     llm = LLMInAProcess(dict(model=model_dir, dtype=torch.float32, load_format="dummy", enforce_eager=True,
                              max_model_len=64, gpu_memory_utilization=0.1))
     llm.reset_prefix_cache()
