@@ -34,15 +34,13 @@ def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
 
 def frozen_base(parallelize_fn, dtype: torch.dtype):
     """A parallelize_fn that first casts the frozen parameters to the compute dtype (FSDP2 leaves a parameter already
-    in its param_dtype as it is: no float32 master, no cast per gather) and scales each adapter on its rank-r side,
-    and after it keeps the base frozen (torchtitan 0.3.0's spmd_types backend registers each distributed parameter
-    anew, requiring grad). On one GPU the base stays out of FSDP (`fsdp_ignoring`)."""
+    in its param_dtype as it is: no float32 master, no cast per gather), and after it keeps the base frozen
+    (torchtitan 0.3.0's spmd_types backend registers each distributed parameter anew, requiring grad). On one GPU
+    the base stays out of FSDP (`fsdp_ignoring`)."""
 
     def parallelize(model, **kwargs):
         frozen = set()
         for path, module in model.named_modules():
-            if hasattr(module, "lora_a"):
-                module.__class__ = rank_scaled(type(module))
             for name, p in list(module.named_parameters(recurse=False)):
                 if not p.requires_grad:
                     frozen.add(canonical_fqn(f"{path}.{name}" if path else name))
@@ -73,25 +71,6 @@ def fsdp_ignoring(model: torch.nn.Module, names: set[str]):
         yield
     finally:
         titan_fsdp.fully_shard = shard
-
-
-_RANK_SCALED: dict[type, type] = {}
-
-
-def rank_scaled(lora_cls: type) -> type:
-    """torchtitan's LoRA linear computing W x + B (scale A x) instead of W x + scale (B A x): the scale multiplies the
-    [tokens, rank] tensor, not a [tokens, out] one (a pass over the output each way, forward and backward, per
-    adapted linear). The same function; with alpha = 2 x rank the same bits."""
-    if lora_cls in _RANK_SCALED.values():  # already swapped
-        return lora_cls
-    if lora_cls not in _RANK_SCALED:
-        class RankScaled(lora_cls):
-            def forward(self, input: torch.Tensor) -> torch.Tensor:
-                return super(lora_cls, self).forward(input) + self.lora_b(self._lora_scaling * self.lora_a(input))
-
-        RankScaled.__name__ = RankScaled.__qualname__ = lora_cls.__name__
-        _RANK_SCALED[lora_cls] = RankScaled
-    return _RANK_SCALED[lora_cls]
 
 
 def init_adapters(model: torch.nn.Module, seed: int) -> None:

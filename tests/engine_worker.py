@@ -79,8 +79,6 @@ def main():
     result["masters_registered"] = masters <= {id(p) for p in engine.model.parameters()}  # not gathered copies
     result["storage"] = storage(engine)
     result["frozen_stored_bytes"] = storage_bytes(frozen)
-    adapted = (m for m in engine.model.modules() if hasattr(m, "lora_a"))
-    result["lora_forwards"] = sorted({type(m).forward.__qualname__ for m in adapted})
     result["shapes"] = {canonical_fqn(n): {tuple(p.shape), tuple(local(p).shape)}  # whole, this rank's
                         for n, p in engine.model.named_parameters()}
     weights = {name: tensor.detach().cpu().clone() for name, tensor in engine.export_hf_weights()}
@@ -114,15 +112,15 @@ MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 
 
 class OutputShapes(TorchDispatchMode):
-    """Counts the output shapes of the ops (aten packets, any overload) run under it."""
+    """Counts the output shapes of the matmuls (aten packets, any overload) run under it."""
 
-    def __init__(self, ops=MATMULS):
+    def __init__(self):
         super().__init__()
-        self.ops, self.shapes = ops, collections.Counter()
+        self.shapes = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in self.ops:
+        if func.overloadpacket in MATMULS:
             self.shapes[tuple(out.shape)] += 1
         return out
 
