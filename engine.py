@@ -131,8 +131,8 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
             initial_load_in_hf=not cfg.model.random_init, initial_load_model_only=True,
             last_save_model_only=True, last_save_in_hf=True, export_dtype="float32", load_only=False,
         ),
-        activation_checkpoint={"full": FullAC.Config(), "none": None, "selective": SelectiveAC.Config(
-            force_recompute_mm_shapes_by_fqns=lora.recomputed(cfg.model))}[cfg.activation_checkpoint.mode],
+        activation_checkpoint={"full": FullAC.Config(), "none": None, "selective": (
+            lora.AdapterSelectiveAC.Config(compiled=cfg.compile.enable) if cfg.model.lora_rank else SelectiveAC.Config())}[cfg.activation_checkpoint.mode],
         compile=CompileConfig(enable=cfg.compile.enable, components=["model"]),
         debug=DebugConfig(seed=cfg.trainer.seed, enable_structured_logging=False),
     )

@@ -5,6 +5,8 @@ The engine calls four hooks: `convert` (the model spec), `init_adapters` (after 
 weights the sync and the export read) and `export` (the final files)."""
 
 import contextlib
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -13,9 +15,13 @@ import zlib
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.fsdp as titan_fsdp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.lora import LoRAConverter
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models.common.linear import Linear
 
 from logprobs import full_tensor
 from plugins import SettingError
@@ -41,6 +47,8 @@ def frozen_base(parallelize_fn, dtype: torch.dtype):
     def parallelize(model, **kwargs):
         frozen = set()
         for path, module in model.named_modules():
+            if hasattr(module, "lora_a") and type(module).__bases__ == (Linear,) and module.bias is None:
+                module.__class__ = addmm_lora(type(module))
             for name, p in list(module.named_parameters(recurse=False)):
                 if not p.requires_grad:
                     frozen.add(canonical_fqn(f"{path}.{name}" if path else name))
@@ -53,6 +61,63 @@ def frozen_base(parallelize_fn, dtype: torch.dtype):
         return model
 
     return parallelize
+
+
+@functools.cache
+def addmm_lora(lora_linear: type) -> type:
+    """torchtitan's LoRALinear computing W x + scale B A x as A x, then x W^T, then one addmm adding scale (A x) B^T
+    to it: cuBLAS scales and accumulates, so no [tokens, out] tensor holds B A x or a scaled gradient, and
+    AdapterSelectiveAC keeps or recomputes the linear's output whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, -2)
+        rank_sized = flat @ self.lora_a.weight.t()
+        out = torch.addmm(flat @ self.weight.t(), rank_sized, self.lora_b.weight.t(), alpha=self._lora_scaling)
+        return out.unflatten(0, x.shape[:-1])
+
+    return type(lora_linear.__name__, (lora_linear,), {"forward": forward})
+
+
+class AdapterSelectiveAC(SelectiveAC):
+    """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) where a LoRA linear
+    is one matmul: its A x (rank-sized) is always saved, and the rule counts its addmm when compiled (the base's x W^T
+    is then recomputed only for an addmm recomputed), its x W^T in eager (which reruns every op not saved). Counted
+    one by one, the adapters' matmuls would shift the rule onto B's outputs, as large as the base's."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        compiled: bool = True
+
+    def _wrap_block(self, module: torch.nn.Module, *, base_fqn: str | None = None) -> torch.nn.Module:
+        rank_sized = {tuple(m.lora_a.weight.shape[::-1]) for m in module.modules() if hasattr(m, "lora_a")}
+        save_ops, config = self.get_save_ops(), self.config
+        return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(
+            adapter_policy(save_ops, rank_sized, config.compiled)), preserve_rng_state=config.preserve_rng_state,
+            determinism_check=config.determinism_check, early_stop=False, debug=config.debug)
+
+
+def adapter_policy(save_ops: set, rank_sized: set, compiled: bool):
+    """The selective-AC policy of one block's forward (and its recompute): see AdapterSelectiveAC."""
+    mm, addmm, keep, drop = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, \
+        CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    counted = addmm if compiled else mm
+    matmuls, in_lora = {False: 0, True: 0}, {False: False, True: False}  # by pass: forward, recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        run = ctx.is_recompute
+        if func == mm and tuple(args[1].shape) in rank_sized:  # A x
+            in_lora[run] = True
+            return keep
+        if in_lora[run] and func in (mm, addmm):  # the base's x W^T, then the addmm
+            in_lora[run] = func == mm
+            if func != counted:
+                return drop
+        elif func != mm:
+            return keep if func in save_ops else drop
+        matmuls[run] += 1
+        return keep if matmuls[run] % 2 else drop
+
+    return policy
 
 
 @contextlib.contextmanager
@@ -152,13 +217,6 @@ def save_on_rank0(tensors: dict[str, torch.Tensor], folder: str, name: str) -> N
 
         os.makedirs(folder, exist_ok=True)
         save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
-
-
-def recomputed(model_cfg) -> list[str]:
-    """Selective AC's force-recompute list: the MoE router (torchtitan's default) and, with LoRA, the adapters. Its
-    rule saves every other matmul output; counted, the adapters' small matmuls would shift that rule onto the B
-    outputs, as large as the base's (twice the saved matmul bytes). Recomputing them costs rank-sized matmuls."""
-    return ["moe.router.gate"] + (["lora_a", "lora_b"] if model_cfg.lora_rank else [])
 
 
 def lora_targets(model, names: dict[str, str]) -> list[str]:

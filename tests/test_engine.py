@@ -334,16 +334,18 @@ def test_lora_stores_the_frozen_base_in_the_compute_dtype(layout, backend, dense
 
 
 class LoRALinearLike(torch.nn.Linear):
-    """A frozen linear plus adapters under torchtitan's LoRALinear names (lora_a, lora_b)."""
+    """A frozen linear plus adapters under torchtitan's LoRALinear names, in its forward (W x + scale B A x)."""
 
     def __init__(self, inputs: int, outputs: int, rank: int = 8):
         super().__init__(inputs, outputs, bias=False)
         self.weight.requires_grad_(False)
         self.lora_a = torch.nn.Linear(inputs, rank, bias=False)
         self.lora_b = torch.nn.Linear(rank, outputs, bias=False)
+        torch.nn.init.normal_(self.lora_b.weight)  # B = 0 would hide a wrong gradient of A
+        self._lora_scaling = 2.0
 
     def forward(self, x):
-        return super().forward(x) + self.lora_b(self.lora_a(x))
+        return super().forward(x) + self._lora_scaling * self.lora_b(self.lora_a(x))
 
 
 class BlockLike(torch.nn.Module):
@@ -359,45 +361,82 @@ class BlockLike(torch.nn.Module):
         return x + self.w2(self.w1(x) * self.w3(x))
 
 
-def saved_matmul_bytes(block, ac_config) -> int:
-    """Bytes of the matmul outputs selective AC keeps for the backward in one forward of `block`."""
+def saved_matmul_bytes(block, ac_config) -> dict[str, int]:
+    """Bytes of the matmul outputs selective AC keeps for the backward in one forward of `block`: [tokens, out]
+    ("out") and rank-sized ("rank", 8 columns)."""
     import torchtitan.distributed.activation_checkpoint as titan_ac
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saved, original = [], titan_ac.create_selective_checkpoint_contexts
+    import lora
+
+    saved, original = {"out": 0, "rank": 0}, titan_ac.create_selective_checkpoint_contexts
 
     def counting(policy_fn, *args, **kwargs):
         def policy(ctx, func, *op_args, **op_kwargs):
             decision = policy_fn(ctx, func, *op_args, **op_kwargs)
-            if func == torch.ops.aten.mm.default and not ctx.is_recompute and decision == CheckpointPolicy.MUST_SAVE:
-                saved.append(op_args[0].shape[0] * op_args[1].shape[1] * op_args[0].element_size())
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and not ctx.is_recompute \
+                    and decision == CheckpointPolicy.MUST_SAVE:
+                rows, columns = op_args[-2].shape[0], op_args[-1].shape[1]
+                saved["rank" if columns == 8 else "out"] += rows * columns * op_args[-1].element_size()
             return decision
         return original(policy, *args, **kwargs)
 
-    titan_ac.create_selective_checkpoint_contexts = counting
+    titan_ac.create_selective_checkpoint_contexts = lora.create_selective_checkpoint_contexts = counting
     try:
-        wrapped = titan_ac.SelectiveAC(ac_config)._wrap_block(block)
+        wrapped = ac_config.build()._wrap_block(block)
         wrapped(torch.randn(128, 64, requires_grad=True)).sum().backward()
     finally:
-        titan_ac.create_selective_checkpoint_contexts = original
-    return sum(saved)
+        titan_ac.create_selective_checkpoint_contexts = lora.create_selective_checkpoint_contexts = original
+    return saved
 
 
-def test_selective_ac_saves_no_more_matmul_outputs_with_lora(dense_dir):
-    """Selective AC as the engine configures it: a block whose linears carry LoRA adapters keeps exactly the matmul
-    output bytes of the same block without them. torchtitan's default configuration keeps about twice as many (the
-    adapters' matmuls shift its every-other-matmul rule onto their B outputs, as large as the base's)."""
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
+def engine_ac_config(dense_dir, *flags):
+    """The activation-checkpointing config the engine gives torchtitan."""
     from config import parse_cli
     from engine import trainer_config
 
-    def ac_config(*flags):
-        cfg = parse_cli(["--model.path", dense_dir, "--activation_checkpoint.mode", "selective", *flags])
-        return trainer_config(cfg, dense_dir, 1).activation_checkpoint
+    cfg = parse_cli(["--model.path", dense_dir, "--activation_checkpoint.mode", "selective", *flags])
+    return trainer_config(cfg, dense_dir, 1).activation_checkpoint
 
-    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False)), ac_config())
-    with_lora = saved_matmul_bytes(BlockLike(LoRALinearLike), ac_config("--model.lora_rank", "8"))
+
+@pytest.mark.parametrize("compiled", ["False", "True"])
+def test_selective_ac_keeps_the_matmul_outputs_of_the_block_without_lora(dense_dir, compiled):
+    """Selective AC as the engine configures it: a block whose linears carry LoRA adapters (the engine's forward:
+    one addmm adds the adapter) keeps the [tokens, out] matmul-output bytes of the same block without them, plus
+    every A x (rank-sized, never recomputed). torchtitan's default on its own LoRA forward keeps about twice as
+    many (the adapters' matmuls, counted, shift its every-other-matmul rule onto their B outputs)."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from lora import addmm_lora
+
+    flags = ("--compile.enable", compiled)
+    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False)),
+                              engine_ac_config(dense_dir, *flags))
+    with_lora = saved_matmul_bytes(BlockLike(addmm_lora(LoRALinearLike)),
+                                   engine_ac_config(dense_dir, *flags, "--model.lora_rank", "8"))
     titan_default = saved_matmul_bytes(BlockLike(LoRALinearLike), SelectiveAC.Config())
-    assert with_lora == full > 0
-    assert titan_default > 1.9 * full
+    assert with_lora == {"out": full["out"], "rank": 5 * 128 * 8 * 4} and full["out"] > 0
+    assert titan_default["out"] > 1.9 * full["out"]
+
+
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_lora_forward_under_selective_ac_gives_torchtitans_values(backend):
+    """The engine's LoRA forward (A x, x W^T, one addmm) under its selective AC, eager and compiled by Inductor,
+    gives torchtitan's LoRA forward's output and adapter gradients without AC."""
+    from lora import AdapterSelectiveAC, addmm_lora
+
+    torch.manual_seed(0)
+    reference = BlockLike(LoRALinearLike)
+    block = BlockLike(addmm_lora(LoRALinearLike))
+    block.load_state_dict(reference.state_dict())
+    wrapped = AdapterSelectiveAC.Config(compiled=backend is not None).build()._wrap_block(block)
+    if backend:
+        wrapped = torch.compile(wrapped, backend=backend, fullgraph=True)
+    x = torch.randn(2, 64, 64)
+    got, want = wrapped(x), reference(x)
+    (got * want.detach()).sum().backward()
+    (want * want.detach()).sum().backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    for (name, mine), theirs in zip(block.named_parameters(), reference.parameters()):
+        assert (mine.grad is None) == (theirs.grad is None), name
+        assert mine.grad is None or torch.allclose(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4), name
