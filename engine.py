@@ -132,7 +132,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
             last_save_model_only=True, last_save_in_hf=True, export_dtype="float32", load_only=False,
         ),
         activation_checkpoint={"full": FullAC.Config(), "none": None, "selective": (
-            lora.AdapterSelectiveAC.Config(compiled=cfg.compile.enable) if cfg.model.lora_rank else SelectiveAC.Config())}[cfg.activation_checkpoint.mode],
+            lora.AdapterSelectiveAC if cfg.model.lora_rank else SelectiveAC).Config()}[cfg.activation_checkpoint.mode],
         compile=CompileConfig(enable=cfg.compile.enable, components=["model"]),
         debug=DebugConfig(seed=cfg.trainer.seed, enable_structured_logging=False),
     )

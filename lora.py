@@ -1,10 +1,9 @@
 """LoRA through torchtitan's `LoRAConverter` (`--model.lora_rank` > 0): a frozen base stored in the compute dtype,
 trainable float32 adapters, merged weights for the sync and the HF export, the adapters alone in PEFT's layout.
 
-The engine calls four hooks: `convert` (the model spec), `init_adapters` (after the build), `merged_state` (the
-weights the sync and the export read) and `export` (the final files)."""
+The engine calls four hooks, `convert` (the model spec), `init_adapters` (after the build), `merged_state` (the
+weights the sync and the export read) and `export` (the final files), and takes `AdapterSelectiveAC` as selective AC."""
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -30,19 +29,19 @@ from plugins import SettingError
 def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
     """The model spec with LoRA on the linears that model.target_modules names; its parallelize_fn stores the
     frozen base in model.dtype and keeps it frozen."""
-    model_spec.model = LoRAConverter.Config(
-        rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
-        target_modules=lora_targets(model_cfg, lora_target_names),
-    ).build().convert(model_spec.model)
+    converter = LoRAConverter.Config(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
+                                     target_modules=lora_targets(model_cfg, lora_target_names)).build()
+    model_spec.model = converter.convert(model_spec.model)
     model_spec.parallelize_fn = frozen_base(model_spec.parallelize_fn, getattr(torch, model_cfg.dtype))
     return model_spec
 
 
 def frozen_base(parallelize_fn, dtype: torch.dtype):
-    """A parallelize_fn that first casts the frozen parameters to the compute dtype (FSDP2 leaves a parameter already
-    in its param_dtype as it is: no float32 master, no cast per gather), and after it keeps the base frozen
-    (torchtitan 0.3.0's spmd_types backend registers each distributed parameter anew, requiring grad). On one GPU
-    the base stays out of FSDP (`fsdp_ignoring`)."""
+    """A parallelize_fn that first gives the adapted linears `addmm_lora`'s forward and casts the frozen parameters to
+    the compute dtype (FSDP2 leaves a parameter in its param_dtype as it is: no float32 master, no cast per gather);
+    after, keeps the base frozen (torchtitan 0.3.0's spmd_types backend registers each distributed parameter anew,
+    requiring grad). On one GPU the base stays out of FSDP, whose gather with one rank is a copy per parameter, layer,
+    micro-batch and pass: host work that idled the GPU (benchmarks/h100_2026-12-07.md)."""
 
     def parallelize(model, **kwargs):
         frozen = set()
@@ -53,9 +52,14 @@ def frozen_base(parallelize_fn, dtype: torch.dtype):
                 if not p.requires_grad:
                     frozen.add(canonical_fqn(f"{path}.{name}" if path else name))
                     setattr(module, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False))
-        one_gpu = kwargs["parallel_dims"].world_size == 1 and not kwargs["training"].enable_cpu_offload
-        with fsdp_ignoring(model, frozen) if one_gpu else contextlib.nullcontext():
+        shard = titan_fsdp.fully_shard
+        if kwargs["parallel_dims"].world_size == 1 and not kwargs["training"].enable_cpu_offload:
+            titan_fsdp.fully_shard = lambda module, **kw: shard(module, **kw, ignored_params={
+                p for name, p in model.named_parameters() if canonical_fqn(name) in frozen})  # as registered then
+        try:
             model = parallelize_fn(model, **kwargs)
+        finally:
+            titan_fsdp.fully_shard = shard
         for name, p in model.named_parameters():
             p.requires_grad_(canonical_fqn(name) not in frozen)
         return model
@@ -65,9 +69,8 @@ def frozen_base(parallelize_fn, dtype: torch.dtype):
 
 @functools.cache
 def addmm_lora(lora_linear: type) -> type:
-    """torchtitan's LoRALinear computing W x + scale B A x as A x, then x W^T, then one addmm adding scale (A x) B^T
-    to it: cuBLAS scales and accumulates, so no [tokens, out] tensor holds B A x or a scaled gradient, and
-    AdapterSelectiveAC keeps or recomputes the linear's output whole."""
+    """torchtitan's LoRALinear computing W x + scale B A x as A x, x W^T, then one addmm adding scale (A x) B^T: cuBLAS
+    scales and accumulates, no [tokens, out] tensor holds B A x or a scaled gradient (benchmarks/h100_2026-12-07.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(0, -2)
@@ -79,63 +82,40 @@ def addmm_lora(lora_linear: type) -> type:
 
 
 class AdapterSelectiveAC(SelectiveAC):
-    """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) where a LoRA linear
-    is one matmul: its A x (rank-sized) is always saved, and the rule counts its addmm when compiled (the base's x W^T
-    is then recomputed only for an addmm recomputed), its x W^T in eager (which reruns every op not saved). Counted
-    one by one, the adapters' matmuls would shift the rule onto B's outputs, as large as the base's."""
+    """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) where a LoRA linear is
+    one matmul: A x (rank-sized) is always saved; the rule counts the addmm when compiled (x W^T is recomputed only with
+    it; an unadapted linear shaped as an adapted one is never saved), x W^T in eager (which reruns all not saved).
+    Counted one by one, the adapters' matmuls would shift the rule onto B's outputs, as large as the base's."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(SelectiveAC.Config):
-        compiled: bool = True
+        pass
 
     def _wrap_block(self, module: torch.nn.Module, *, base_fqn: str | None = None) -> torch.nn.Module:
-        rank_sized = {tuple(m.lora_a.weight.shape[::-1]) for m in module.modules() if hasattr(m, "lora_a")}
-        save_ops, config = self.get_save_ops(), self.config
+        adapted, save_ops = [m for m in module.modules() if hasattr(m, "lora_a")], self.get_save_ops()
+        shapes = {tuple(m.lora_a.weight.shape[::-1]) for m in adapted}, {tuple(m.weight.shape[::-1]) for m in adapted}
         return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(
-            adapter_policy(save_ops, rank_sized, config.compiled)), preserve_rng_state=config.preserve_rng_state,
-            determinism_check=config.determinism_check, early_stop=False, debug=config.debug)
+            self.policy(save_ops, *shapes)), preserve_rng_state=self.config.preserve_rng_state,
+            determinism_check=self.config.determinism_check, early_stop=False, debug=self.config.debug)
 
+    def policy(self, save_ops: set, rank_sized: set, base_sized: set):
+        """The policy of one forward of a block and its recompute (the matmuls' weights: (in, rank), (in, out))."""
+        mm, addmm, keep, drop = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, \
+            CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+        matmuls = [0, 0]  # forward, recompute
 
-def adapter_policy(save_ops: set, rank_sized: set, compiled: bool):
-    """The selective-AC policy of one block's forward (and its recompute): see AdapterSelectiveAC."""
-    mm, addmm, keep, drop = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, \
-        CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
-    counted = addmm if compiled else mm
-    matmuls, in_lora = {False: 0, True: 0}, {False: False, True: False}  # by pass: forward, recompute
-
-    def policy(ctx, func, *args, **kwargs):
-        run = ctx.is_recompute
-        if func == mm and tuple(args[1].shape) in rank_sized:  # A x
-            in_lora[run] = True
-            return keep
-        if in_lora[run] and func in (mm, addmm):  # the base's x W^T, then the addmm
-            in_lora[run] = func == mm
-            if func != counted:
+        def decide(ctx, func, *args, **kwargs):
+            shape = tuple(args[1].shape) if func == mm else None
+            if shape in rank_sized:  # A x
+                return keep
+            if shape in base_sized if torch.compiler.is_compiling() else func == addmm:  # of LoRA's, uncounted
                 return drop
-        elif func != mm:
-            return keep if func in save_ops else drop
-        matmuls[run] += 1
-        return keep if matmuls[run] % 2 else drop
+            if func not in (mm, addmm):
+                return keep if func in save_ops else drop
+            matmuls[ctx.is_recompute] += 1
+            return keep if matmuls[ctx.is_recompute] % 2 else drop
 
-    return policy
-
-
-@contextlib.contextmanager
-def fsdp_ignoring(model: torch.nn.Module, names: set[str]):
-    """torchtitan's fully_shard calls leave the parameters named `names` out of FSDP. With one rank FSDP's gather is a
-    copy per parameter, layer, micro-batch and pass (forward and backward): host work that left the GPU idle half a
-    profiled 0.6B LoRA update (benchmarks/h100_2026-12-07.md); outside FSDP the bf16 base is used as stored."""
-    shard = titan_fsdp.fully_shard
-
-    def fully_shard(module, **kwargs):
-        ignored = {p for name, p in model.named_parameters() if canonical_fqn(name) in names}  # as registered now
-        return shard(module, ignored_params=ignored, **kwargs)
-
-    titan_fsdp.fully_shard = fully_shard
-    try:
-        yield
-    finally:
-        titan_fsdp.fully_shard = shard
+        return decide
 
 
 def init_adapters(model: torch.nn.Module, seed: int) -> None:
@@ -160,8 +140,7 @@ def merged_state(model: torch.nn.Module, scale: float):
     for name, tensor in model.state_dict().items():
         name = canonical_fqn(name)
         if name in factors:
-            lora_b, lora_a = factors[name]
-            yield name, full_tensor(tensor).float() + scale * lora_b @ lora_a
+            yield name, full_tensor(tensor).float() + scale * torch.mm(*factors[name])  # W + scale B A
         elif ".lora_a." not in name and ".lora_b." not in name:
             yield name, tensor
 
@@ -185,49 +164,37 @@ def adapter_factors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
 
 def export(engine, out: str, adapter_out: str) -> None:
     """The merged model as HF safetensors in `out` and the adapters in PEFT's layout in `adapter_out` (torchtitan's
-    HF save would write the base weights alone)."""
+    HF save would write the base weights alone). Every rank gathers; rank 0 writes."""
     tied = engine.trainer.model_config.enable_weight_tying
     weights = {name: tensor.cpu().contiguous() for name, tensor in engine.export_hf_weights(torch.float32)
                if dist.get_rank() == 0 and not (tied and name == "lm_head.weight")}  # a tied head is the embedding
-    save_on_rank0(weights, out, "model.safetensors")
-    export_adapter(engine, adapter_out)
-
-
-def export_adapter(engine, out: str) -> None:
-    """Write the adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors) into `out`."""
-    tensors, targets = {}, set()
+    adapters, targets = {}, set()
     for name, (lora_b, lora_a) in adapter_factors(engine.model).items():
         for hf_name, hf_rows in engine.sd_adapter.to_hf({name: lora_b}).items():
             module = "base_model.model." + hf_name.removesuffix(".weight")
-            tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = lora_a, hf_rows
+            adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"] = lora_a.cpu(), hf_rows.cpu()
             targets.add(module.rsplit(".", 1)[1])
-    save_on_rank0({k: v.cpu().clone() for k, v in tensors.items()}, out, "adapter_model.safetensors")
-    model_cfg = engine.cfg.model
-    if dist.get_rank() == 0:
-        with open(os.path.join(out, "adapter_config.json"), "w") as f:
-            json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=model_cfg.lora_rank,
-                           lora_alpha=model_cfg.lora_alpha, target_modules=sorted(targets), lora_dropout=0.0,
-                           bias="none", base_model_name_or_path=model_cfg.path), f, indent=2)
+    if dist.get_rank() != 0:
+        return
+    from safetensors.torch import save_file
 
-
-def save_on_rank0(tensors: dict[str, torch.Tensor], folder: str, name: str) -> None:
-    """Rank 0 writes `tensors` as folder/name (safetensors)."""
-    if dist.get_rank() == 0:
-        from safetensors.torch import save_file
-
+    for folder, name, tensors in (out, "model", weights), (adapter_out, "adapter_model", adapters):
         os.makedirs(folder, exist_ok=True)
-        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+        save_file({k: v.clone() for k, v in tensors.items()}, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
+    model_cfg = engine.cfg.model
+    with open(os.path.join(adapter_out, "adapter_config.json"), "w") as f:
+        json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
+                       target_modules=sorted(targets), lora_dropout=0.0, bias="none",
+                       base_model_name_or_path=model_cfg.path), f, indent=2)
 
 
 def lora_targets(model, names: dict[str, str]) -> list[str]:
     """The torchtitan linears that model.target_modules names (`names`: HF name -> torchtitan name)."""
     wanted = set(names) if "all-linear" in model.target_modules else set(model.target_modules)
-    unknown = wanted - set(names)
-    if unknown:
+    if unknown := wanted - set(names):
         raise SettingError(f"model.target_modules has {sorted(unknown)}; use all-linear or names of {sorted(names)}")
-    for fused in {t for t in names.values() if list(names.values()).count(t) > 1}:  # one torchtitan linear, several HF
-        sharing = sorted(hf for hf, t in names.items() if t == fused)
-        if 0 < len(wanted & set(sharing)) < len(sharing):
-            raise SettingError(f"model.target_modules: {', '.join(sharing)} are one fused linear in torchtitan; "
-                               "name all of them or none")
+    split = {t for hf, t in names.items() if hf in wanted} & {t for hf, t in names.items() if hf not in wanted}
+    if split:  # a fused torchtitan linear (q/k/v) named in part
+        sharing = ", ".join(sorted(hf for hf, t in names.items() if t in split))
+        raise SettingError(f"model.target_modules: {sharing} are one fused linear in torchtitan; name all or none")
     return sorted({names[hf] for hf in wanted})

@@ -399,21 +399,21 @@ def engine_ac_config(dense_dir, *flags):
     return trainer_config(cfg, dense_dir, 1).activation_checkpoint
 
 
-@pytest.mark.parametrize("compiled", ["False", "True"])
-def test_selective_ac_keeps_the_matmul_outputs_of_the_block_without_lora(dense_dir, compiled):
+@pytest.mark.parametrize("compiling", [False, True])
+def test_selective_ac_keeps_the_matmul_outputs_of_the_block_without_lora(dense_dir, compiling, monkeypatch):
     """Selective AC as the engine configures it: a block whose linears carry LoRA adapters (the engine's forward:
     one addmm adds the adapter) keeps the [tokens, out] matmul-output bytes of the same block without them, plus
-    every A x (rank-sized, never recomputed). torchtitan's default on its own LoRA forward keeps about twice as
-    many (the adapters' matmuls, counted, shift its every-other-matmul rule onto their B outputs)."""
+    every A x (rank-sized, never recomputed), in eager and as traced for torch.compile. torchtitan's default on its
+    own LoRA forward keeps about twice as many (the adapters' matmuls, counted, shift its every-other-matmul rule
+    onto their B outputs)."""
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     from lora import addmm_lora
 
-    flags = ("--compile.enable", compiled)
-    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False)),
-                              engine_ac_config(dense_dir, *flags))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)  # the policy's decisions under compile
+    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False)), engine_ac_config(dense_dir))
     with_lora = saved_matmul_bytes(BlockLike(addmm_lora(LoRALinearLike)),
-                                   engine_ac_config(dense_dir, *flags, "--model.lora_rank", "8"))
+                                   engine_ac_config(dense_dir, "--model.lora_rank", "8"))
     titan_default = saved_matmul_bytes(BlockLike(LoRALinearLike), SelectiveAC.Config())
     assert with_lora == {"out": full["out"], "rank": 5 * 128 * 8 * 4} and full["out"] > 0
     assert titan_default["out"] > 1.9 * full["out"]
@@ -429,7 +429,7 @@ def test_lora_forward_under_selective_ac_gives_torchtitans_values(backend):
     reference = BlockLike(LoRALinearLike)
     block = BlockLike(addmm_lora(LoRALinearLike))
     block.load_state_dict(reference.state_dict())
-    wrapped = AdapterSelectiveAC.Config(compiled=backend is not None).build()._wrap_block(block)
+    wrapped = AdapterSelectiveAC.Config().build()._wrap_block(block)
     if backend:
         wrapped = torch.compile(wrapped, backend=backend, fullgraph=True)
     x = torch.randn(2, 64, 64)

@@ -87,16 +87,17 @@ def test_reward_rises_on_synthetic_arithmetic(model_dir, tasks, tmp_path, nproc)
 
 def test_reward_rises_with_lora(model_dir, tasks, tmp_path):
     """LoRA (rank 8, alpha 16, lr 1e-2: 3.3x full fine-tuning's) on the learning test: mean reward <= 0.1 over steps
-    1-3, >= 0.15 over steps 41-50. Seen: 0.081 -> 0.191, alike at lr 1e-2 to 1e-1 and rank 8 to 32: with a frozen
-    random base (embeddings and head too) the adapters learn the answer's form (a digit 0-4: 0.2 by chance), not the
-    sums, which full fine-tuning reaches (0.74); a pretrained base is what LoRA is for."""
+    1-3, >= 0.13 over steps 11-50. With a frozen random base (embeddings and head too) the adapters learn the answer's
+    form (a digit 0-4: 0.2 by chance), not the sums, which full fine-tuning reaches (0.74); a pretrained base is what
+    LoRA is for. Seen over steps 11-50: 0.148-0.202 (rollout seeds 7-9, 1 and 2 torch threads); the reward drifts by
+    trajectory, so ten steps of one run can average 0.10-0.16 (their lowest windows), which is why 40 are averaged."""
     rows = train(model_dir, tasks, tmp_path / "lora", 50, "--data.max_response_length", "1", "--rollout.n", "16",
                  "--actor.ppo_mini_batch_size", "4", "--optimizer.lr", "1e-2", "--algorithm.entropy_coeff", "0.01",
                  "--rollout.seed", "7", "--trainer.test_freq", "50", "--trainer.val_before_train", "False",
                  "--model.lora_rank", "8", "--model.lora_alpha", "16")
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
-    early, late = sum(scores[:3]) / 3, sum(scores[-10:]) / 10
-    assert len(scores) == 50 and early <= 0.1 and late >= 0.15, (early, late, scores)
+    early, late = sum(scores[:3]) / 3, sum(scores[10:]) / 40
+    assert len(scores) == 50 and early <= 0.1 and late >= 0.13, (early, late, scores)
 
 
 def test_dynamic_sampling_learns_where_the_plain_run_collapses(model_dir, tasks, tmp_path):
