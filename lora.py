@@ -14,6 +14,7 @@ import zlib
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.fsdp as titan_fsdp
+from safetensors.torch import save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -100,11 +101,12 @@ class AdapterSelectiveAC(SelectiveAC):
 
     def policy(self, save_ops: set, rank_sized: set, base_sized: set):
         """The policy of one forward of a block and its recompute (the matmuls' weights: (in, rank), (in, out))."""
-        mm, addmm, keep, drop = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, \
-            CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
-        matmuls = [0, 0]  # forward, recompute
+        mm, addmm, matmuls = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, [0, 0]  # forward, recompute
+        keep, drop = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
         def decide(ctx, func, *args, **kwargs):
+            if func == torch.ops.aten._to_copy.default and args[0].is_cuda and str(kwargs.get("device")) == "cpu":
+                return keep  # as torchtitan: a device-to-host copy (MoE's all-to-all sizes) is never recomputed
             shape = tuple(args[1].shape) if func == mm else None
             if shape in rank_sized:  # A x
                 return keep
@@ -176,8 +178,6 @@ def export(engine, out: str, adapter_out: str) -> None:
             targets.add(module.rsplit(".", 1)[1])
     if dist.get_rank() != 0:
         return
-    from safetensors.torch import save_file
-
     for folder, name, tensors in (out, "model", weights), (adapter_out, "adapter_model", adapters):
         os.makedirs(folder, exist_ok=True)
         save_file({k: v.clone() for k, v in tensors.items()}, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
