@@ -40,9 +40,8 @@ def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
 def frozen_base(parallelize_fn, dtype: torch.dtype):
     """A parallelize_fn that first gives the adapted linears `addmm_lora`'s forward and casts the frozen parameters to
     the compute dtype (FSDP2 leaves a parameter in its param_dtype as it is: no float32 master, no cast per gather);
-    after, keeps the base frozen (torchtitan 0.3.0's spmd_types backend registers each distributed parameter anew,
-    requiring grad). On one GPU the base stays out of FSDP, whose gather with one rank is a copy per parameter, layer,
-    micro-batch and pass: host work that idled the GPU (benchmarks/h100_2026-12-07.md)."""
+    after, keeps the base frozen (torchtitan 0.3.0's spmd_types backend registers each parameter anew, requiring
+    grad). On one GPU the base stays out of FSDP, whose one-rank gather copies per layer, micro-batch and pass."""
 
     def parallelize(model, **kwargs):
         frozen = set()
@@ -174,13 +173,14 @@ def export(engine, out: str, adapter_out: str) -> None:
     for name, (lora_b, lora_a) in adapter_factors(engine.model).items():
         for hf_name, hf_rows in engine.sd_adapter.to_hf({name: lora_b}).items():
             module = "base_model.model." + hf_name.removesuffix(".weight")
-            adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"] = lora_a.cpu(), hf_rows.cpu()
+            for part, tensor in ("lora_A", lora_a), ("lora_B", hf_rows):  # own storage: safetensors refuses shared
+                adapters[f"{module}.{part}.weight"] = tensor.cpu().clone()
             targets.add(module.rsplit(".", 1)[1])
     if dist.get_rank() != 0:
         return
     for folder, name, tensors in (out, "model", weights), (adapter_out, "adapter_model", adapters):
         os.makedirs(folder, exist_ok=True)
-        save_file({k: v.clone() for k, v in tensors.items()}, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
+        save_file(tensors, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
     model_cfg = engine.cfg.model
     with open(os.path.join(adapter_out, "adapter_config.json"), "w") as f:
         json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
