@@ -1,8 +1,6 @@
-"""LoRA through torchtitan's `LoRAConverter` (`--model.lora_rank` > 0): a frozen base stored in the compute dtype,
-trainable float32 adapters, merged weights for the sync and the HF export, the adapters alone in PEFT's layout.
-
-The engine calls four hooks, `convert` (the model spec), `init_adapters` (after the build), `merged_state` (the
-weights the sync and the export read) and `export` (the final files), and takes `AdapterSelectiveAC` as selective AC."""
+"""LoRA through torchtitan's `LoRAConverter` (`--model.lora_rank` > 0): a frozen base in the compute dtype, float32
+adapters, merged weights for the sync and the HF export, the adapters in PEFT's layout. The engine calls `convert`,
+`init_adapters` (after the build), `merged_state` (for the sync), `export` and takes `AdapterSelectiveAC`."""
 
 import dataclasses
 import functools
@@ -30,18 +28,17 @@ from plugins import SettingError
 def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
     """The model spec with LoRA on the linears that model.target_modules names; its parallelize_fn stores the
     frozen base in model.dtype and keeps it frozen."""
-    converter = LoRAConverter.Config(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
-                                     target_modules=lora_targets(model_cfg, lora_target_names)).build()
-    model_spec.model = converter.convert(model_spec.model)
+    targets = lora_targets(model_cfg, lora_target_names)
+    converter = LoRAConverter.Config(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha, target_modules=targets)
+    model_spec.model = converter.build().convert(model_spec.model)
     model_spec.parallelize_fn = frozen_base(model_spec.parallelize_fn, getattr(torch, model_cfg.dtype))
     return model_spec
 
 
 def frozen_base(parallelize_fn, dtype: torch.dtype):
     """A parallelize_fn that first gives the adapted linears `addmm_lora`'s forward and casts the frozen parameters to
-    the compute dtype (FSDP2 leaves a parameter in its param_dtype as it is: no float32 master, no cast per gather);
-    after, keeps the base frozen (torchtitan 0.3.0's spmd_types backend registers each parameter anew, requiring
-    grad). On one GPU the base stays out of FSDP, whose one-rank gather copies per layer, micro-batch and pass."""
+    the compute dtype (FSDP2 keeps a parameter in its param_dtype as it is), after keeps the base frozen (torchtitan's
+    spmd_types backend registers each parameter anew); on one GPU the base stays out of FSDP (a gather is a copy)."""
 
     def parallelize(model, **kwargs):
         frozen = set()
@@ -69,23 +66,34 @@ def frozen_base(parallelize_fn, dtype: torch.dtype):
 
 @functools.cache
 def addmm_lora(lora_linear: type) -> type:
-    """torchtitan's LoRALinear computing W x + scale B A x as A x, x W^T, then one addmm adding scale (A x) B^T: cuBLAS
-    scales and accumulates, no [tokens, out] tensor holds B A x or a scaled gradient (benchmarks/h100_2026-12-07.md)."""
-
+    """torchtitan's LoRALinear computing W x + scale B A x through `LoRAMatmul`."""
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.flatten(0, -2)
-        rank_sized = flat @ self.lora_a.weight.t()
-        out = torch.addmm(flat @ self.weight.t(), rank_sized, self.lora_b.weight.t(), alpha=self._lora_scaling)
-        return out.unflatten(0, x.shape[:-1])
-
+        y = LoRAMatmul.apply(x.flatten(0, -2), self.weight, self.lora_a.weight, self.lora_b.weight, self._lora_scaling)
+        return y.unflatten(0, x.shape[:-1])
     return type(lora_linear.__name__, (lora_linear,), {"forward": forward})
 
 
+class LoRAMatmul(torch.autograd.Function):
+    """x W^T + scale (x A^T) B^T as A x, x W^T, one addmm; cuBLAS scales (alpha) and adds, forward and backward."""
+    @staticmethod
+    def forward(ctx, x, weight, lora_a, lora_b, scale):
+        ctx.scale, rank_sized = scale, x @ lora_a.t()
+        ctx.save_for_backward(x, weight, lora_a, lora_b, rank_sized)
+        return torch.addmm(x @ weight.t(), rank_sized, lora_b.t(), alpha=scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, lora_a, lora_b, rank_sized = ctx.saved_tensors
+        grad_rank, scale = grad @ lora_b, ctx.scale
+        grad_x = torch.addmm(grad @ weight, grad_rank, lora_a, alpha=scale) if ctx.needs_input_grad[0] else None
+        grad_a = torch.addmm(lora_a, grad_rank.t(), x, beta=0, alpha=scale)  # beta=0: the first argument is not read
+        return grad_x, None, grad_a, torch.addmm(lora_b, grad.t(), rank_sized, beta=0, alpha=scale), None
+
+
 class AdapterSelectiveAC(SelectiveAC):
-    """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) where a LoRA linear is
-    one matmul: A x (rank-sized) is always saved; the rule counts the addmm when compiled (x W^T is recomputed only with
-    it; an unadapted linear shaped as an adapted one is never saved), x W^T in eager (which reruns all not saved).
-    Counted one by one, the adapters' matmuls would shift the rule onto B's outputs, as large as the base's."""
+    """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) with a LoRA linear as one
+    matmul (its three would shift the rule onto B's outputs): A x is always saved; the rule counts the addmm compiled (x
+    W^T recomputed only with it; an unadapted linear shaped as an adapted one is never saved), x W^T in eager."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(SelectiveAC.Config):
@@ -102,7 +110,6 @@ class AdapterSelectiveAC(SelectiveAC):
         """The policy of one forward of a block and its recompute (the matmuls' weights: (in, rank), (in, out))."""
         mm, addmm, matmuls = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, [0, 0]  # forward, recompute
         keep, drop = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
-
         def decide(ctx, func, *args, **kwargs):
             if func == torch.ops.aten._to_copy.default and args[0].is_cuda and str(kwargs.get("device")) == "cpu":
                 return keep  # as torchtitan: a device-to-host copy (MoE's all-to-all sizes) is never recomputed
@@ -115,7 +122,6 @@ class AdapterSelectiveAC(SelectiveAC):
                 return keep if func in save_ops else drop
             matmuls[ctx.is_recompute] += 1
             return keep if matmuls[ctx.is_recompute] % 2 else drop
-
         return decide
 
 
@@ -127,11 +133,9 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
             weight = module.lora_a.weight
             generator = torch.Generator().manual_seed(seed + zlib.crc32(canonical_fqn(path).encode()))
             whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5), generator=generator)
-            whole = whole.to(weight.device, weight.dtype)
             if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
                 whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
-            with torch.no_grad():
-                weight.copy_(whole)
+            weight.detach().copy_(whole)
 
 
 def merged_state(model: torch.nn.Module, scale: float):
@@ -150,9 +154,7 @@ def adapter_factors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
     """State-dict name of each adapted base weight -> (its rows of lora_b, lora_a), whole tensors. lora_b's rows go
     through the parent module's state-dict hooks as the base weight's do (the fused q/k/v linear saves as three)."""
     factors = {}
-    for path, module in model.named_modules():
-        if not hasattr(module, "lora_b"):
-            continue
+    for path, module in [(path, module) for path, module in model.named_modules() if hasattr(module, "lora_b")]:
         parent_path, _, attr = path.rpartition(".")
         parent, prefix = model.get_submodule(parent_path), parent_path + "."
         rows = {f"{prefix}{attr}.weight": full_tensor(module.lora_b.weight)}
@@ -181,11 +183,10 @@ def export(engine, out: str, adapter_out: str) -> None:
     for folder, name, tensors in (out, "model", weights), (adapter_out, "adapter_model", adapters):
         os.makedirs(folder, exist_ok=True)
         save_file(tensors, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
-    model_cfg = engine.cfg.model
+    cfg = engine.cfg.model
     with open(os.path.join(adapter_out, "adapter_config.json"), "w") as f:
-        json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
-                       target_modules=sorted(targets), lora_dropout=0.0, bias="none",
-                       base_model_name_or_path=model_cfg.path), f, indent=2)
+        json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, bias="none",
+                       target_modules=sorted(targets), lora_dropout=0.0, base_model_name_or_path=cfg.path), f, indent=2)
 
 
 def lora_targets(model, names: dict[str, str]) -> list[str]:
@@ -193,8 +194,7 @@ def lora_targets(model, names: dict[str, str]) -> list[str]:
     wanted = set(names) if "all-linear" in model.target_modules else set(model.target_modules)
     if unknown := wanted - set(names):
         raise SettingError(f"model.target_modules has {sorted(unknown)}; use all-linear or names of {sorted(names)}")
-    split = {t for hf, t in names.items() if hf in wanted} & {t for hf, t in names.items() if hf not in wanted}
-    if split:  # a fused torchtitan linear (q/k/v) named in part
+    if split := {t for hf, t in names.items() if hf in wanted} & {t for hf, t in names.items() if hf not in wanted}:
         sharing = ", ".join(sorted(hf for hf, t in names.items() if t in split))
         raise SettingError(f"model.target_modules: {sharing} are one fused linear in torchtitan; name all or none")
     return sorted({names[hf] for hf in wanted})

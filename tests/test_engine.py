@@ -419,6 +419,28 @@ def test_selective_ac_keeps_the_matmul_outputs_of_the_block_without_lora(dense_d
     assert titan_default["out"] > 1.9 * full["out"]
 
 
+def test_lora_linear_backward_is_matmuls_that_apply_the_scale():
+    """The adapted linear's backward is five matmuls (x's gradient through W and through the adapter, A's, B's, and
+    A x's) with the LoRA scale applied by the matmuls themselves (alpha): no kernel of its own scales a tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lora import addmm_lora
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    linear, ops = addmm_lora(LoRALinearLike)(64, 96), []
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    out = linear(x)
+    with RecordOps():
+        out.backward(torch.randn_like(out))
+    assert sorted(op for op in ops if op in ("mm", "addmm")) == ["addmm"] * 3 + ["mm"] * 2
+    assert not [op for op in ops if op.startswith("mul") or op.startswith("div")], ops
+
+
 @pytest.mark.parametrize("backend", [None, "inductor"])
 def test_lora_forward_under_selective_ac_gives_torchtitans_values(backend):
     """The engine's LoRA forward (A x, x W^T, one addmm) under its selective AC, eager and compiled by Inductor,
