@@ -1,6 +1,6 @@
 """LoRA through torchtitan's `LoRAConverter` (`--model.lora_rank` > 0): a frozen base in the compute dtype, float32
 adapters, merged weights for the sync and the HF export, the adapters in PEFT's layout. The engine calls `convert`,
-`init_adapters` (after the build), `merged_state` (for the sync), `export` and takes `AdapterSelectiveAC`."""
+`init_adapters` (after the build), `merged_state` (what the sync and export read), `export`, `AdapterSelectiveAC`."""
 
 import dataclasses
 import functools
