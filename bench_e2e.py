@@ -196,7 +196,7 @@ def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
 
     folder = tempfile.mkdtemp(prefix="bench_lora_")
     with Timer(device) as write:
-        lora.export_adapter(run.engine, folder)
+        lora.export(run.engine, os.path.join(folder, "merged"), folder)  # the merged HF model beside it
     run.sampler.close()  # one vLLM at a time
     gc.unfreeze()
     gc.collect()
@@ -225,7 +225,7 @@ def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
 
 def print_vllm_lora(report: dict) -> None:
     v, alone = report["vllm_lora"], report["rollout"]["alone_s"]
-    print(f"vLLM's LoRA path: adapter write {v['adapter_write_s']:.3f} s; generate with a new adapter (its load "
+    print(f"vLLM's LoRA path: export (adapter and merged model) {v['adapter_write_s']:.3f} s; generate with a new adapter (its load "
           f"included) {' / '.join(f'{x:.2f}' for x in v['new_adapter_s'])} s, the same adapter "
           f"{' / '.join(f'{x:.2f}' for x in v['same_adapter_s'])} s, no adapter "
           f"{' / '.join(f'{x:.2f}' for x in v['no_adapter_s'])} s. The loop's path: merged sync "
