@@ -1,5 +1,6 @@
-"""LoRA through torchtitan's LoRAConverter (--model.lora_rank > 0): the frozen base in the compute dtype, float32
-adapters. The engine calls convert, init_adapters, merged_state (the sync, the export), export, AdapterSelectiveAC."""
+"""LoRA through torchtitan's `LoRAConverter` (`--model.lora_rank` > 0): a frozen base in the compute dtype, float32
+adapters, merged weights for the sync and the HF export, the adapters in PEFT's layout. The engine calls `convert`,
+`init_adapters` (after the build), `merged_state` (what the sync and export read), `export`, `AdapterSelectiveAC`."""
 
 import dataclasses
 import functools
@@ -36,8 +37,8 @@ def convert(model_spec, model_cfg, lora_target_names: dict[str, str]):
 
 def frozen_base(parallelize_fn, dtype: torch.dtype):
     """A parallelize_fn that first gives the adapted linears `addmm_lora`'s forward and casts the frozen parameters to
-    the compute dtype (FSDP2 keeps a parameter's dtype), after keeps the base frozen (spmd_types registers each
-    parameter anew); on one GPU the base stays out of FSDP (a gather is a copy)."""
+    the compute dtype (FSDP2 keeps a parameter in its param_dtype as it is), after keeps the base frozen (torchtitan's
+    spmd_types backend registers each parameter anew); on one GPU the base stays out of FSDP (a gather is a copy)."""
 
     def parallelize(model, **kwargs):
         frozen = set()
@@ -72,59 +73,52 @@ def addmm_lora(lora_linear: type) -> type:
     return type(lora_linear.__name__, (lora_linear,), {"forward": forward})
 
 
-torch.library.define("titan_grpo::lora_linear", "(Tensor x, Tensor w, Tensor r, Tensor b, float scale) -> Tensor")
-
-
-@torch.library.impl("titan_grpo::lora_linear", "default")
-def _(x, weight, rank_sized, lora_b, scale):
-    """x W^T + scale (rank_sized) B^T, the adapter added in place: one op, which Inductor calls as it is (its functional
-    addmm would copy x W^T into a new tensor first)."""
-    return torch.mm(x, weight.t()).addmm_(rank_sized, lora_b.t(), alpha=scale)
-torch.library.register_torch_dispatch("titan_grpo::lora_linear", DTensor, lambda _, func, types, args, kwargs: (
-    torch.addmm(args[0] @ args[1].t(), args[2], args[3].t(), alpha=args[4])))  # as DTensor's ops: they shard it
-
-
 class LoRAMatmul(torch.autograd.Function):
-    """x W^T + scale (x A^T) B^T as A x and `lora_linear`; the backward as matmuls that apply the scale (alpha)."""
+    """x W^T + scale (x A^T) B^T as A x, x W^T, one addmm; cuBLAS scales (alpha) and adds, forward and backward."""
     @staticmethod
     def forward(ctx, x, weight, lora_a, lora_b, scale):
         ctx.scale, rank_sized = scale, x @ lora_a.t()
         ctx.save_for_backward(x, weight, lora_a, lora_b, rank_sized)
-        return torch.ops.titan_grpo.lora_linear(x, weight, rank_sized, lora_b, scale)
+        return torch.addmm(x @ weight.t(), rank_sized, lora_b.t(), alpha=scale)
 
     @staticmethod
     def backward(ctx, grad):
-        (x, weight, lora_a, lora_b, rank_sized), scale = ctx.saved_tensors, ctx.scale
-        grad_rank, linear = grad @ lora_b, torch.ops.titan_grpo.lora_linear
-        grad_x = linear(grad, weight.t(), grad_rank, lora_a.t(), scale) if ctx.needs_input_grad[0] else None
+        x, weight, lora_a, lora_b, rank_sized = ctx.saved_tensors
+        grad_rank, scale = grad @ lora_b, ctx.scale
+        grad_x = torch.addmm(grad @ weight, grad_rank, lora_a, alpha=scale) if ctx.needs_input_grad[0] else None
         grad_a = torch.addmm(lora_a, grad_rank.t(), x, beta=0, alpha=scale)  # beta=0: the first argument is not read
         return grad_x, None, grad_a, torch.addmm(lora_b, grad.t(), rank_sized, beta=0, alpha=scale), None
 
 
 class AdapterSelectiveAC(SelectiveAC):
     """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) with a LoRA linear as one
-    matmul, `lora_linear` (the adapter's, counted, would shift the rule onto B's outputs); A x is always saved."""
+    matmul (its three would shift the rule onto B's outputs): A x is always saved; the rule counts the addmm compiled (x
+    W^T recomputed only with it; an unadapted linear shaped as an adapted one is never saved), x W^T in eager."""
+
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(SelectiveAC.Config):
         pass
 
     def _wrap_block(self, module: torch.nn.Module, *, base_fqn: str | None = None) -> torch.nn.Module:
-        rank_sized = {tuple(m.lora_a.weight.shape[::-1]) for m in module.modules() if hasattr(m, "lora_a")}
-        save_ops = self.get_save_ops()
+        adapted, save_ops = [m for m in module.modules() if hasattr(m, "lora_a")], self.get_save_ops()
+        shapes = {tuple(m.lora_a.weight.shape[::-1]) for m in adapted}, {tuple(m.weight.shape[::-1]) for m in adapted}
         return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(
-            self.policy(save_ops, rank_sized)), preserve_rng_state=self.config.preserve_rng_state,
+            self.policy(save_ops, *shapes)), preserve_rng_state=self.config.preserve_rng_state,
             determinism_check=self.config.determinism_check, early_stop=False, debug=self.config.debug)
 
-    def policy(self, save_ops: set, rank_sized: set):
-        """The policy of one forward of a block and its recompute (rank_sized: A's shapes as a matmul's (in, rank))."""
-        mm, linear = torch.ops.aten.mm.default, torch.ops.titan_grpo.lora_linear.default
-        keep, drop, matmuls = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE, [0, 0]  # fwd, recompute
+    def policy(self, save_ops: set, rank_sized: set, base_sized: set):
+        """The policy of one forward of a block and its recompute (the matmuls' weights: (in, rank), (in, out))."""
+        mm, addmm, matmuls = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, [0, 0]  # forward, recompute
+        keep, drop = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
         def decide(ctx, func, *args, **kwargs):
             if func == torch.ops.aten._to_copy.default and args[0].is_cuda and str(kwargs.get("device")) == "cpu":
                 return keep  # as torchtitan: a device-to-host copy (MoE's all-to-all sizes) is never recomputed
-            if func == mm and tuple(args[1].shape) in rank_sized:  # A x
+            shape = tuple(args[1].shape) if func == mm else None
+            if shape in rank_sized:  # A x
                 return keep
-            if func not in (mm, linear):
+            if shape in base_sized if torch.compiler.is_compiling() else func == addmm:  # of LoRA's, uncounted
+                return drop
+            if func not in (mm, addmm):
                 return keep if func in save_ops else drop
             matmuls[ctx.is_recompute] += 1
             return keep if matmuls[ctx.is_recompute] % 2 else drop
@@ -134,18 +128,22 @@ class AdapterSelectiveAC(SelectiveAC):
 def init_adapters(model: torch.nn.Module, seed: int) -> None:
     """Each A as PEFT initialises it (kaiming-uniform, B = 0), drawn whole from `seed` and the module's name, so that
     every layout trains the same adapters (torchtitan draws each shard on its own rank)."""
-    for path, weight in [(path, m.lora_a.weight) for path, m in model.named_modules() if hasattr(m, "lora_a")]:
-        generator = torch.Generator().manual_seed(seed + zlib.crc32(canonical_fqn(path).encode()))
-        whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5), generator=generator)
-        if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
-            whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
-        weight.detach().copy_(whole)
+    for path, module in model.named_modules():
+        if hasattr(module, "lora_a"):
+            weight = module.lora_a.weight
+            generator = torch.Generator().manual_seed(seed + zlib.crc32(canonical_fqn(path).encode()))
+            whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5), generator=generator)
+            if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
+                whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
+            weight.detach().copy_(whole)
 
 
 def merged_state(model: torch.nn.Module, scale: float):
-    """(state-dict name, tensor) with W + scale B A (float32, whole) for each adapted W and no adapter tensors."""
+    """(state-dict name, tensor) of the model with W + scale x B A in place of each adapted W (in float32, whole)
+    and no adapter tensors: what the sync and the HF export read."""
     factors = adapter_factors(model)
-    for name, tensor in ((canonical_fqn(name), tensor) for name, tensor in model.state_dict().items()):
+    for name, tensor in model.state_dict().items():
+        name = canonical_fqn(name)
         if name in factors:
             yield name, full_tensor(tensor).float() + scale * torch.mm(*factors[name])  # W + scale B A
         elif ".lora_a." not in name and ".lora_b." not in name:
@@ -168,8 +166,9 @@ def adapter_factors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
 
 
 def export(engine, out: str, adapter_out: str) -> None:
-    """The merged model as HF safetensors in `out`, the adapters in PEFT's layout in `adapter_out`; rank 0 writes."""
-    tied, cfg = engine.trainer.model_config.enable_weight_tying, engine.cfg.model
+    """The merged model as HF safetensors in `out` and the adapters in PEFT's layout in `adapter_out` (torchtitan's
+    HF save would write the base weights alone). Every rank gathers; rank 0 writes."""
+    tied = engine.trainer.model_config.enable_weight_tying
     weights = {name: tensor.cpu().contiguous() for name, tensor in engine.export_hf_weights(torch.float32)
                if dist.get_rank() == 0 and not (tied and name == "lm_head.weight")}  # a tied head is the embedding
     adapters, targets = {}, set()
@@ -184,6 +183,7 @@ def export(engine, out: str, adapter_out: str) -> None:
     for folder, name, tensors in (out, "model", weights), (adapter_out, "adapter_model", adapters):
         os.makedirs(folder, exist_ok=True)
         save_file(tensors, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
+    cfg = engine.cfg.model
     with open(os.path.join(adapter_out, "adapter_config.json"), "w") as f:
         json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, bias="none",
                        target_modules=sorted(targets), lora_dropout=0.0, base_model_name_or_path=cfg.path), f, indent=2)
