@@ -93,7 +93,8 @@ class LoRAMatmul(torch.autograd.Function):
 class AdapterSelectiveAC(SelectiveAC):
     """torchtitan's selective AC (compute ops' outputs saved, every other matmul's recomputed) with a LoRA linear as one
     matmul (its three would shift the rule onto B's outputs): A x is always saved; the rule counts the addmm compiled (x
-    W^T recomputed only with it; an unadapted linear shaped as an adapted one is never saved), x W^T in eager."""
+    W^T recomputed only with it; an unadapted linear shaped as an adapted one is never saved), x W^T in eager; as
+    torchtitan's, it recomputes the linears of force_recompute_mm_shapes_by_fqns (MoE's router gate), uncounted."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(SelectiveAC.Config):
@@ -102,11 +103,13 @@ class AdapterSelectiveAC(SelectiveAC):
     def _wrap_block(self, module: torch.nn.Module, *, base_fqn: str | None = None) -> torch.nn.Module:
         adapted, save_ops = [m for m in module.modules() if hasattr(m, "lora_a")], self.get_save_ops()
         shapes = {tuple(m.lora_a.weight.shape[::-1]) for m in adapted}, {tuple(m.weight.shape[::-1]) for m in adapted}
+        shapes += {tuple(m.weight.shape[::-1]) for name, m in module.named_modules(prefix=base_fqn or "")
+                   if any(fqn in name for fqn in self.config.force_recompute_mm_shapes_by_fqns)},
         return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(
             self.policy(save_ops, *shapes)), preserve_rng_state=self.config.preserve_rng_state,
             determinism_check=self.config.determinism_check, early_stop=False, debug=self.config.debug)
 
-    def policy(self, save_ops: set, rank_sized: set, base_sized: set):
+    def policy(self, save_ops: set, rank_sized: set, base_sized: set, recomputed: set):
         """The policy of one forward of a block and its recompute (the matmuls' weights: (in, rank), (in, out))."""
         mm, addmm, matmuls = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, [0, 0]  # forward, recompute
         keep, drop = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
@@ -116,8 +119,8 @@ class AdapterSelectiveAC(SelectiveAC):
             shape = tuple(args[1].shape) if func == mm else None
             if shape in rank_sized:  # A x
                 return keep
-            if shape in base_sized if torch.compiler.is_compiling() else func == addmm:  # of LoRA's, uncounted
-                return drop
+            if shape in recomputed or (shape in base_sized if torch.compiler.is_compiling() else func == addmm):
+                return drop  # the router gate's, or of LoRA's: uncounted
             if func not in (mm, addmm):
                 return keep if func in save_ops else drop
             matmuls[ctx.is_recompute] += 1
@@ -128,14 +131,12 @@ class AdapterSelectiveAC(SelectiveAC):
 def init_adapters(model: torch.nn.Module, seed: int) -> None:
     """Each A as PEFT initialises it (kaiming-uniform, B = 0), drawn whole from `seed` and the module's name, so that
     every layout trains the same adapters (torchtitan draws each shard on its own rank)."""
-    for path, module in model.named_modules():
-        if hasattr(module, "lora_a"):
-            weight = module.lora_a.weight
-            generator = torch.Generator().manual_seed(seed + zlib.crc32(canonical_fqn(path).encode()))
-            whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5), generator=generator)
-            if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
-                whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
-            weight.detach().copy_(whole)
+    for path, weight in [(path, m.lora_a.weight) for path, m in model.named_modules() if hasattr(m, "lora_a")]:
+        generator = torch.Generator().manual_seed(seed + zlib.crc32(canonical_fqn(path).encode()))
+        whole = torch.nn.init.kaiming_uniform_(torch.empty(weight.shape), a=math.sqrt(5), generator=generator)
+        if isinstance(weight, DTensor):  # every rank holds the whole tensor: keep its shard, no traffic
+            whole = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
+        weight.detach().copy_(whole)
 
 
 def merged_state(model: torch.nn.Module, scale: float):
@@ -168,7 +169,7 @@ def adapter_factors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
 def export(engine, out: str, adapter_out: str) -> None:
     """The merged model as HF safetensors in `out` and the adapters in PEFT's layout in `adapter_out` (torchtitan's
     HF save would write the base weights alone). Every rank gathers; rank 0 writes."""
-    tied = engine.trainer.model_config.enable_weight_tying
+    tied, cfg = engine.trainer.model_config.enable_weight_tying, engine.cfg.model
     weights = {name: tensor.cpu().contiguous() for name, tensor in engine.export_hf_weights(torch.float32)
                if dist.get_rank() == 0 and not (tied and name == "lm_head.weight")}  # a tied head is the embedding
     adapters, targets = {}, set()
@@ -183,7 +184,6 @@ def export(engine, out: str, adapter_out: str) -> None:
     for folder, name, tensors in (out, "model", weights), (adapter_out, "adapter_model", adapters):
         os.makedirs(folder, exist_ok=True)
         save_file(tensors, f"{folder}/{name}.safetensors", metadata={"format": "pt"})
-    cfg = engine.cfg.model
     with open(os.path.join(adapter_out, "adapter_config.json"), "w") as f:
         json.dump(dict(peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, bias="none",
                        target_modules=sorted(targets), lora_dropout=0.0, base_model_name_or_path=cfg.path), f, indent=2)

@@ -349,15 +349,22 @@ class LoRALinearLike(torch.nn.Linear):
 
 
 class BlockLike(torch.nn.Module):
-    """A transformer block's five matmuls (fused QKV, output, gate, up, down), in their order."""
+    """A transformer block's five matmuls (fused QKV, output, gate, up, down), in their order; with `router`, an MoE
+    router's gate (a linear named moe.router.gate, never adapted) before the feed-forward."""
 
-    def __init__(self, linear):
+    def __init__(self, linear, router: bool = False):
         super().__init__()
         self.wqkv, self.wo, self.w1, self.w3, self.w2 = linear(64, 96), linear(64, 64), linear(64, 160), \
             linear(64, 160), linear(160, 64)
+        if router:
+            self.moe = torch.nn.Module()
+            self.moe.router = torch.nn.Module()
+            self.moe.router.gate = torch.nn.Linear(64, 4, bias=False)
 
     def forward(self, x):
         x = x + self.wo(torch.relu(self.wqkv(x))[..., :64])
+        if hasattr(self, "moe"):
+            x = x * self.moe.router.gate(x).softmax(-1)[..., :1]
         return x + self.w2(self.w1(x) * self.w3(x))
 
 
@@ -399,20 +406,22 @@ def engine_ac_config(dense_dir, *flags):
     return trainer_config(cfg, dense_dir, 1).activation_checkpoint
 
 
+@pytest.mark.parametrize("router", [False, True])
 @pytest.mark.parametrize("compiling", [False, True])
-def test_selective_ac_keeps_the_matmul_outputs_of_the_block_without_lora(dense_dir, compiling, monkeypatch):
+def test_selective_ac_keeps_the_matmul_outputs_of_the_block_without_lora(dense_dir, compiling, router, monkeypatch):
     """Selective AC as the engine configures it: a block whose linears carry LoRA adapters (the engine's forward:
     one addmm adds the adapter) keeps the [tokens, out] matmul-output bytes of the same block without them, plus
-    every A x (rank-sized, never recomputed), in eager and as traced for torch.compile. torchtitan's default on its
-    own LoRA forward keeps about twice as many (the adapters' matmuls, counted, shift its every-other-matmul rule
-    onto their B outputs)."""
+    every A x (rank-sized, never recomputed), in eager and as traced for torch.compile; an MoE router's gate is
+    recomputed and not counted, as torchtitan's selective AC does. torchtitan's default on its own LoRA forward keeps
+    about twice as many (the adapters' matmuls, counted, shift its every-other-matmul rule onto their B outputs)."""
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     from lora import addmm_lora
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)  # the policy's decisions under compile
-    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False)), engine_ac_config(dense_dir))
-    with_lora = saved_matmul_bytes(BlockLike(addmm_lora(LoRALinearLike)),
+    full = saved_matmul_bytes(BlockLike(lambda i, o: torch.nn.Linear(i, o, bias=False), router),
+                              engine_ac_config(dense_dir))
+    with_lora = saved_matmul_bytes(BlockLike(addmm_lora(LoRALinearLike), router),
                                    engine_ac_config(dense_dir, "--model.lora_rank", "8"))
     titan_default = saved_matmul_bytes(BlockLike(LoRALinearLike), SelectiveAC.Config())
     assert with_lora == {"out": full["out"], "rank": 5 * 128 * 8 * 4} and full["out"] > 0
