@@ -195,7 +195,7 @@ def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
     from vllm.lora.request import LoRARequest
 
     folder = tempfile.mkdtemp(prefix="bench_lora_")
-    with Timer(device) as write:
+    with Timer(device) as export:
         lora.export(run.engine, os.path.join(folder, "merged"), folder)  # the merged HF model beside it
     run.sampler.close()  # one vLLM at a time
     gc.unfreeze()
@@ -212,7 +212,7 @@ def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
     params = SamplingParams(n=r.n, temperature=r.temperature, max_tokens=cfg.data.max_response_length,
                             detokenize=False)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    report = {"adapter_write_s": write.seconds}
+    report = {"export_s": export.seconds}
     for i in range(rounds):
         for kind, adapter in (("new_adapter", LoRARequest(f"round{i}", i + 1, folder)),
                               ("same_adapter", LoRARequest(f"round{i}", i + 1, folder)), ("no_adapter", None)):
@@ -225,8 +225,8 @@ def vllm_lora_path(cfg, run, prompts, device: str, rounds: int = 2) -> dict:
 
 def print_vllm_lora(report: dict) -> None:
     v, alone = report["vllm_lora"], report["rollout"]["alone_s"]
-    print(f"vLLM's LoRA path: export (adapter and merged model) {v['adapter_write_s']:.3f} s; generate with a new adapter (its load "
-          f"included) {' / '.join(f'{x:.2f}' for x in v['new_adapter_s'])} s, the same adapter "
+    print(f"vLLM's LoRA path: export (the adapters and the merged model) {v['export_s']:.3f} s; generate with a new "
+          f"adapter (its load included) {' / '.join(f'{x:.2f}' for x in v['new_adapter_s'])} s, the same adapter "
           f"{' / '.join(f'{x:.2f}' for x in v['same_adapter_s'])} s, no adapter "
           f"{' / '.join(f'{x:.2f}' for x in v['no_adapter_s'])} s. The loop's path: merged sync "
           f"{report['sync']['sync_awake_s']:.3f} s, vLLM alone on the merged weights "
