@@ -2,7 +2,8 @@
 sync in parts. Weights are random (Qwen3-0.6B shapes, or 8B with --shape 8b): every response runs to the limit.
 
     python bench_e2e.py --steps 2 --model-dir /tmp/q06 --out e2e.json -- <loop.py flags, e.g. run.sh's recipe>
-    python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU
+    python bench_e2e.py --steps 1 --quick --out /tmp/e2e.json -- <flags>   # a tiny model on CPU (flags: at least
+        --model.attn_type sdpa, and --data.train_files / --data.val_files where the hub is out of reach)
     python bench_e2e.py --steps 4 --one-step-off-policy ... -- <flags>     # synchronous against one-step off-policy
         [--also "NAME:--rollout.name vllm_process OMP_NUM_THREADS=1"]  # one more run: its flags, environment
         [--mps]  # the off-policy runs (and --also runs named *_mps) as clients of a CUDA MPS server of their own
