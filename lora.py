@@ -103,10 +103,10 @@ class AdapterSelectiveAC(SelectiveAC):
     def _wrap_block(self, module: torch.nn.Module, *, base_fqn: str | None = None) -> torch.nn.Module:
         adapted, save_ops = [m for m in module.modules() if hasattr(m, "lora_a")], self.get_save_ops()
         shapes = {tuple(m.lora_a.weight.shape[::-1]) for m in adapted}, {tuple(m.weight.shape[::-1]) for m in adapted}
-        shapes += {tuple(m.weight.shape[::-1]) for name, m in module.named_modules(prefix=base_fqn or "")
-                   if any(fqn in name for fqn in self.config.force_recompute_mm_shapes_by_fqns)},
+        recomputed = {tuple(m.weight.shape[::-1]) for name, m in module.named_modules(prefix=base_fqn or "")
+                      if any(fqn in name for fqn in self.config.force_recompute_mm_shapes_by_fqns)}
         return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(
-            self.policy(save_ops, *shapes)), preserve_rng_state=self.config.preserve_rng_state,
+            self.policy(save_ops, *shapes, recomputed)), preserve_rng_state=self.config.preserve_rng_state,
             determinism_check=self.config.determinism_check, early_stop=False, debug=self.config.debug)
 
     def policy(self, save_ops: set, rank_sized: set, base_sized: set, recomputed: set):
