@@ -34,9 +34,7 @@ from torchtitan.trainer import Trainer
 
 import cpu
 import lora
-from config import (
-    Config, SettingError, dp_shard_degree, load_plugin, resolve_device, resolve_spmd_backend,
-)
+from config import Config, SettingError, dp_shard_degree, load_plugin, resolve_device, resolve_spmd_backend
 from logprobs import IGNORE_INDEX, GatherOverCP, full_tensor, token_logprobs, tp_group_and_vocab
 
 
@@ -100,9 +98,7 @@ def trainer_config(cfg: Config, model_dir: str, world_size: int):
     if cfg.model.lora_rank:  # frozen base, trainable adapters; the optimizer takes only the adapters
         model_spec = lora.convert(model_spec, cfg.model, family.LORA_TARGETS)
     return Trainer.Config(
-        model_spec=model_spec,
-        hf_assets_path=model_dir,
-        dump_folder=cfg.trainer.output_dir,
+        model_spec=model_spec, hf_assets_path=model_dir, dump_folder=cfg.trainer.output_dir,
         dataloader=NoOpDataLoader.Config(),
         loss=CrossEntropyLoss.Config(),  # unused: the GRPO loss lives in grpo.py
         optimizer=OptimizersContainer.Config(
@@ -366,10 +362,8 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         ref_cfg.activation_checkpoint.mode = "none"
         return cls(ref_cfg)
 
-    def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
-        temperature: float = 1.0, with_entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log p(label) [T], entropy [T] or None), float32, of a packed [1, T] micro-batch (0 where the label is
         IGNORE_INDEX); `positions` restart at 0 for each sequence and define the document mask."""
         length = tokens.shape[1]
@@ -424,8 +418,5 @@ class TorchTitanEngineWithLMHead(TorchTitanEngine):
         pad = -tokens.shape[1] % packed_length_multiple(self.cfg)
         if pad == 0:
             return tokens, positions, labels
-        return (
-            F.pad(tokens, (0, pad)),
-            torch.cat([positions, torch.arange(pad)[None].to(positions)], dim=1),  # a separate padding doc
-            F.pad(labels, (0, pad), value=IGNORE_INDEX),
-        )
+        pad_doc = torch.arange(pad)[None].to(positions)  # the positions of a separate padding document
+        return F.pad(tokens, (0, pad)), torch.cat([positions, pad_doc], 1), F.pad(labels, (0, pad), value=IGNORE_INDEX)

@@ -471,3 +471,26 @@ def test_lora_forward_under_selective_ac_gives_torchtitans_values(backend):
     for (name, mine), theirs in zip(block.named_parameters(), reference.parameters()):
         assert (mine.grad is None) == (theirs.grad is None), name
         assert mine.grad is None or torch.allclose(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4), name
+
+
+def test_cpu_block_masks_hold_every_block_and_attend_as_create_block_mask():
+    """cpu.all_blocks_mask, the CPU's BlockMasks (built without torchtitan's compiled search for empty blocks), over
+    packed documents that cross 128-token blocks: it lists every block create_block_mask finds, and flex attention
+    through it equals flex attention through create_block_mask's mask exactly (float64)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+    from torchtitan.models.common.attention import (
+        get_causal_mask_mod, get_efficient_causal_mask_mod_for_packed_document,
+    )
+
+    import cpu
+
+    positions = torch.cat([torch.arange(n) for n in (70, 130, 9, 200, 1)])[None]
+    mask_mod = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
+    length = positions.shape[1]
+    ours = cpu.all_blocks_mask(mask_mod, 1, None, length, length, device="cpu", BLOCK_SIZE=128)
+    searched = create_block_mask(mask_mod, 1, None, length, length, device="cpu", BLOCK_SIZE=128)
+    assert ours.shape == searched.shape == (1, 1, length, length)
+    assert bool((ours.to_dense() >= searched.to_dense()).all())
+    q, k, v = (torch.randn(1, 2, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    assert torch.equal(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=searched))
